@@ -1,0 +1,92 @@
+"""A generation job and the events it streams back to the event loop.
+
+The worker thread produces events; the request handler consumes them on the event loop. The hand-over
+is `loop.call_soon_threadsafe(queue.put_nowait, event)`, so the worker never blocks on a slow client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    model: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    namespace: str = "anonymous"  # the tenant: KV is never shared across namespaces
+    session: str | None = None
+    hint_keys: Sequence[str] = ()  # KV chunk keys another replica may have saved on the shared disk
+    reuse: bool = True
+
+
+@dataclass
+class FirstToken:
+    """The prompt is processed and the first token chosen: the moment TTFT measures."""
+
+    reused_tokens: int
+    tier: str | None  # fastest tier the reused KV came from ("l0"/"l1"/"l2"), None on a miss
+    at: float  # time.monotonic()
+    prefill_seconds: float
+
+
+@dataclass
+class TextDelta:
+    text: str
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    reused_tokens: int
+    chunk_keys: list[str] = field(default_factory=list)  # the conversation's KV chunks, for the session index
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+Event = FirstToken | TextDelta | Finished | Failed
+
+
+class Job:
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.submitted_at = time.monotonic()
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self.done = False
+
+    def cancel(self) -> None:
+        """Called from the event loop when the client goes away; the worker drops the job at its next step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def emit(self, event: Event) -> None:
+        """Worker side: hand an event to the event loop (never blocks)."""
+        if isinstance(event, Finished | Failed):
+            self.done = True
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self._cancelled.set()
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self._events.get()
+            yield event
+            if isinstance(event, Finished | Failed):
+                return

@@ -1,0 +1,182 @@
+"""Model loading: an HF folder or a .gguf file, de-quantized once and cached as safetensors.
+
+Loading the GGUF takes ~30 s on a small CPU (de-quantization and tokenizer conversion); the safetensors
+copy loads in well under a second, so the conversion runs once per model file and dtype-independent
+weights are kept under the cache folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvtier import KVLayout
+
+log = logging.getLogger("attnstore.runner")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_READY_MARK = "attnstore-converted.ok"
+
+
+class ModelLoadError(RuntimeError):
+    """A model source that cannot be found or loaded; the message names the source."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what the KV store needs to key and shape its entries."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    fingerprint: str
+    layout: KVLayout
+    max_context: int
+    load_seconds: float
+    eos_token_ids: frozenset[int]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA; float32 on CPU, where bfloat16 runs 4-7x slower without bf16 hardware."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def configure_threads(threads: int = 0) -> int:
+    """Use the cores this process may run on (not the machine's count, which containers misreport)."""
+    if not threads:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = threads
+    torch.set_num_threads(max(1, n))
+    return torch.get_num_threads()
+
+
+def resolve_source(source: str) -> Path:
+    """`pkg:NAME` is the .gguf file inside the installed package folder NAME (never imported)."""
+    if source.startswith("pkg:"):
+        spec = importlib.util.find_spec(source[4:])
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"model source {source!r}: package not installed (see README: make install)")
+        ggufs = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+        if not ggufs:
+            raise ModelLoadError(f"model source {source!r}: no .gguf file in the package")
+        return ggufs[0]
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model source {source!r}: no such file or folder")
+    return path
+
+
+def file_digest(path: Path) -> str:
+    """Content hash of a model file or folder's weight files; part of every KV key, so KV of one
+    model's weights is never served for another's."""
+    h = xxhash.xxh3_128()
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(p for p in path.rglob("*") if p.suffix in {".safetensors", ".bin", ".gguf"})
+    )
+    for f in files:
+        with f.open("rb") as fh:
+            while block := fh.read(8 << 20):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    log.info("first start: de-quantizing %s (about 30 s, done once; cached at %s)", gguf.name, target)
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    log.info("  tokenizer converted (%.1f s); converting weights...", time.perf_counter() - started)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses to save a GGUF-loaded model although its weights are plain tensors by now.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _READY_MARK).write_text(gguf.name)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("  converted in %.1f s", time.perf_counter() - started)
+
+
+def load_model(
+    name: str,
+    source: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    cache_dir: str | Path = "./var/models",
+    threads: int = 0,
+) -> LoadedModel:
+    started = time.perf_counter()
+    configure_threads(threads)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    path = resolve_source(source)
+    digest = file_digest(path)
+    folder = path
+    if path.is_file() and path.suffix == ".gguf":
+        folder = Path(cache_dir) / f"{name}-{digest[:16]}"
+        if not (folder / _READY_MARK).exists():
+            _convert_gguf(path, folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt).to(dev).eval()
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"model {name!r} from {source!r}: {exc}") from exc
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layout = KVLayout(
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim,
+        dtype=dt,
+    )
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    seconds = time.perf_counter() - started
+    log.info("model %s loaded on %s as %s in %.2f s", name, dev, str(dt).removeprefix("torch."), seconds)
+    return LoadedModel(
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        device=dev,
+        dtype=dt,
+        fingerprint=xxhash.xxh3_64_hexdigest(f"{digest}:{dt}".encode()),
+        layout=layout,
+        max_context=int(getattr(cfg, "max_position_embeddings", 2048)),
+        load_seconds=seconds,
+        eos_token_ids=frozenset(eos_ids),
+    )

@@ -1,0 +1,131 @@
+"""The local runner on the real model, without HTTP: exact greedy output, stops, limits, scheduling."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from local_runner.jobs import Failed, Finished, FirstToken, GenerationRequest, TextDelta
+from local_runner.prompt import PromptError
+from local_runner.runner import Runner
+from local_runner.sampling import SamplingParams
+from local_runner.worker import QueueFull
+from tests.model_fixture import MODEL
+
+pytestmark = pytest.mark.model
+
+COLORS = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture
+def runner(smollm):
+    r = Runner({MODEL: smollm}, max_queue=2, max_running=2)
+    yield r
+    r.close()
+
+
+async def run_job(runner: Runner, messages, **sampling):
+    ids = runner.render(MODEL, messages)
+    job = runner.submit(GenerationRequest(MODEL, ids, SamplingParams(**sampling)))
+    text, first, end = [], None, None
+    async for event in job.events():
+        if isinstance(event, TextDelta):
+            text.append(event.text)
+        elif isinstance(event, FirstToken):
+            first = event
+        else:
+            end = event
+    return "".join(text), first, end, ids
+
+
+async def test_greedy_output_equals_model_generate(runner, smollm):
+    text, first, end, ids = await run_job(runner, COLORS, max_tokens=24, temperature=0)
+    with torch.inference_mode():
+        out = smollm.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+    expected = smollm.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    assert text == expected
+    assert first is not None and first.reused_tokens == 0 and first.tier is None
+    assert isinstance(end, Finished) and end.prompt_tokens == len(ids)
+
+
+async def test_max_tokens_ends_with_length(runner):
+    text, _, end, _ = await run_job(runner, COLORS, max_tokens=3, temperature=0)
+    assert end.finish_reason == "length" and end.completion_tokens == 3
+    assert text
+
+
+async def test_stop_string_across_tokens_is_cut_and_never_sent(runner):
+    full, *_ = await run_job(runner, COLORS, max_tokens=24, temperature=0)
+    # A stop string that spans a token boundary in the greedy answer ("\n2" is "\n" then "2").
+    assert "\n2" in full
+    text, _, end, _ = await run_job(runner, COLORS, max_tokens=24, temperature=0, stop=["\n2"])
+    assert end.finish_reason == "stop"
+    assert text == full[: full.index("\n2")]
+
+
+async def test_seeded_sampling_is_reproducible(runner):
+    a, *_ = await run_job(runner, COLORS, max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    b, *_ = await run_job(runner, COLORS, max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    assert a == b
+
+
+async def test_two_jobs_interleave_token_by_token(runner):
+    """A short answer finishes while a long one is still running: they share the worker by token."""
+    long_ids = runner.render(MODEL, [{"role": "user", "content": "Write a long story about a dragon."}])
+    short_ids = runner.render(MODEL, COLORS)
+    long_job = runner.submit(GenerationRequest(MODEL, long_ids, SamplingParams(max_tokens=60, temperature=0)))
+    short_job = runner.submit(
+        GenerationRequest(MODEL, short_ids, SamplingParams(max_tokens=4, temperature=0))
+    )
+    order: list[str] = []
+
+    async def drain(job, name):
+        async for event in job.events():
+            if isinstance(event, TextDelta):
+                order.append(name)
+        order.append(f"{name}-end")
+
+    await asyncio.gather(drain(long_job, "long"), drain(short_job, "short"))
+    assert order.index("short-end") < order.index("long-end")
+    assert "long" in order[: order.index("short-end")]  # the long one progressed meanwhile
+
+
+async def test_cancel_stops_a_running_job(runner):
+    ids = runner.render(MODEL, [{"role": "user", "content": "Count from one to one thousand."}])
+    job = runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=400, temperature=0)))
+    events = job.events()
+    assert isinstance(await anext(events), FirstToken)
+    job.cancel()
+    rest = [e async for e in events]
+    assert isinstance(rest[-1], Finished) and rest[-1].finish_reason == "cancelled"
+    assert rest[-1].completion_tokens < 400
+
+
+async def test_queue_full_raises(smollm):
+    runner = Runner({MODEL: smollm}, max_queue=1, max_running=1)
+    try:
+        ids = runner.render(MODEL, COLORS)
+        jobs = [runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=50, temperature=0)))]
+        deadline = time.monotonic() + 30
+        while runner.running == 0 and time.monotonic() < deadline:  # the first one is running
+            await asyncio.sleep(0.01)
+        jobs.append(runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=5))))  # waits
+        with pytest.raises(QueueFull):
+            runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=5)))
+        for job in jobs:
+            job.cancel()
+            assert not any(isinstance(e, Failed) for e in [e async for e in job.events()])
+    finally:
+        runner.close()
+
+
+def test_unsupported_content_and_overlong_prompts_are_refused(runner):
+    with pytest.raises(PromptError):
+        runner.render(
+            MODEL, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+        )
+    with pytest.raises(PromptError, match="tokens"):
+        runner.render(MODEL, [{"role": "user", "content": "word " * 9000}])
