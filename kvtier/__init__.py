@@ -1,0 +1,22 @@
+"""kvtier: a tiered (device / host / disk) store of multi-turn attention KV chunks.
+
+Knows tensors and files only. See store.KVStore for the API the runner uses.
+"""
+
+from .config import ChunkRef, PrefixMatch, StoreConfig
+from .layout import KVLayout
+from .loader import KVLoadError, RestoredKV
+from .stats import StoreStats, TierStats
+from .store import KVStore
+
+__all__ = [
+    "ChunkRef",
+    "KVLayout",
+    "KVLoadError",
+    "KVStore",
+    "PrefixMatch",
+    "RestoredKV",
+    "StoreConfig",
+    "StoreStats",
+    "TierStats",
+]

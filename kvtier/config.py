@@ -1,0 +1,57 @@
+"""Store configuration and the small result types callers see."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TIER_ORDER = {"l0": 0, "l1": 1, "l2": 2}
+
+
+@dataclass
+class StoreConfig:
+    """Capacities are tensor bytes; 0 disables a tier. L0 lives on `device`, L1 in host memory."""
+
+    l0_capacity_bytes: int
+    l1_capacity_bytes: int
+    l2_capacity_bytes: int
+    l2_path: Path
+    chunk_tokens: int = 256
+    device: str | torch.device = "cpu"
+    async_save: bool = True  # False: put() writes L2 before returning
+    save_workers: int = 1
+    save_queue_chunks: int = 32  # bounded queue; put() blocks (back-pressure) when full
+
+    def __post_init__(self) -> None:
+        self.l2_path = Path(self.l2_path)
+        for name in ("l0_capacity_bytes", "l1_capacity_bytes", "l2_capacity_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.chunk_tokens <= 0 or self.save_workers <= 0 or self.save_queue_chunks <= 0:
+            raise ValueError("chunk_tokens, save_workers and save_queue_chunks must be positive")
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One chunk of a match: its key, where it starts, how many of its tokens are used, its tier."""
+
+    key: str
+    start: int
+    n_tokens: int
+    tier: str
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    namespace: str
+    tokens: int
+    chunks: tuple[ChunkRef, ...]
+
+    @property
+    def tier(self) -> str | None:
+        """The fastest tier among the chunks; None when nothing matched."""
+        if self.tokens == 0 or not self.chunks:
+            return None
+        return min((c.tier for c in self.chunks), key=TIER_ORDER.__getitem__)

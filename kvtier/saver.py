@@ -1,0 +1,49 @@
+"""A small pool of save threads behind a bounded queue.
+
+The queue bound is the back-pressure: when the disk falls behind, `submit` blocks the caller instead
+of letting unsaved chunks pile up in memory. What a save does is the store's business (a callback).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_STOP = object()
+
+
+class SavePool(Generic[T]):
+    def __init__(self, workers: int, queue_size: int, save: Callable[[T], None]) -> None:
+        self._save = save
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kvtier-save-{i}", daemon=True) for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: T) -> None:
+        """Enqueue a job; blocks while the queue is full."""
+        self._queue.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is _STOP:
+                return
+            try:
+                self._save(job)
+            except Exception:  # the callback handles expected errors; never let a worker die
+                log.exception("kvtier: save job failed")
+
+    def close(self, timeout: float | None = None) -> None:
+        for _ in self._threads:
+            self._queue.put(_STOP)
+        for t in self._threads:
+            t.join(timeout)

@@ -1,0 +1,53 @@
+"""Counters the store keeps, and the snapshot it hands out (the proxy serves `to_dict()` as JSON)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .tiers import TIERS
+
+
+def _per_tier() -> dict[str, int]:
+    return dict.fromkeys(TIERS, 0)
+
+
+@dataclass
+class Counters:
+    """Mutable counters, updated under the store's lock."""
+
+    hits: dict[str, int] = field(default_factory=_per_tier)  # per lookup, by the match's fastest tier
+    chunk_hits: dict[str, int] = field(default_factory=_per_tier)  # per matched chunk, by its tier
+    misses: int = 0  # lookups that matched 0 tokens, plus loads that failed
+    load_errors: int = 0
+    quarantined: int = 0
+    bytes_loaded: int = 0  # KV bytes handed to callers by load()
+    bytes_saved: int = 0  # KV bytes written to L2 files
+    save_errors: int = 0
+
+
+@dataclass(frozen=True)
+class TierStats:
+    used_bytes: int
+    capacity_bytes: int
+    entries: int
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    tiers: dict[str, TierStats]
+    hits: dict[str, int]
+    chunk_hits: dict[str, int]
+    misses: int
+    evictions: int
+    evictions_by_tier: dict[str, int]
+    bytes_loaded: int
+    bytes_saved: int
+    saves_pending: int
+    save_errors: int
+    saving_enabled: bool
+    load_errors: int
+    quarantined: int
+
+    def to_dict(self) -> dict:
+        """JSON-able: {"tiers": {"l0": {"used_bytes", "capacity_bytes", "entries"}, ...}, "hits": {...}, ...}."""
+        return asdict(self)

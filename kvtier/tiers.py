@@ -1,0 +1,97 @@
+"""In-memory chunk data and per-tier byte budgets with LRU order.
+
+A tier here is only bookkeeping (which keys, how many bytes, in what recency order); the tensors live
+on the index entry. Keeping the two apart lets L0, L1 and L2 share one budget class, and lets the store
+decide what eviction means (demote, drop, delete a file).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+TIERS: tuple[str, ...] = ("l0", "l1", "l2")
+
+
+@dataclass
+class ChunkKV:
+    """K and V of every layer for one chunk, each [heads, n_tokens, head_dim]. Never mutated once built."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k) + sum(
+            t.numel() * t.element_size() for t in self.v
+        )
+
+    def to(self, device: torch.device, *, pin: bool = False) -> ChunkKV:
+        """Copy to `device` (no copy if already there); pinned host memory when asked and possible."""
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.device == device:
+                return t
+            out = t.to(device)
+            return out.pin_memory() if pin and device.type == "cpu" else out
+
+        return ChunkKV([move(t) for t in self.k], [move(t) for t in self.v])
+
+
+class TierBudget:
+    """Keys held by one tier with their byte sizes, in LRU order (oldest first); never above capacity."""
+
+    def __init__(self, name: str, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"{name} capacity must be >= 0, got {capacity_bytes}")
+        self.name = name
+        self.capacity = capacity_bytes
+        self.used = 0
+        self.evictions = 0
+        self._lru: OrderedDict[str, int] = OrderedDict()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def keys(self) -> Iterator[str]:
+        return iter(list(self._lru))
+
+    def add(self, key: str, nbytes: int) -> None:
+        """Record a key; the caller made room first (see victims)."""
+        if key in self._lru:
+            raise KeyError(f"{key} already in {self.name}")
+        if self.used + nbytes > self.capacity:
+            raise RuntimeError(f"{self.name} over capacity: {self.used} + {nbytes} > {self.capacity}")
+        self._lru[key] = nbytes
+        self.used += nbytes
+
+    def remove(self, key: str) -> bool:
+        nbytes = self._lru.pop(key, None)
+        if nbytes is None:
+            return False
+        self.used -= nbytes
+        return True
+
+    def touch(self, key: str) -> None:
+        if key in self._lru:
+            self._lru.move_to_end(key)
+
+    def victims(self, nbytes: int, evictable: Callable[[str], bool]) -> list[str] | None:
+        """LRU keys to remove so that `nbytes` more fit, or None if that is impossible (nothing removed)."""
+        if nbytes > self.capacity:
+            return None
+        need = self.used + nbytes - self.capacity
+        chosen: list[str] = []
+        for key, size in self._lru.items():
+            if need <= 0:
+                break
+            if evictable(key):
+                chosen.append(key)
+                need -= size
+        return chosen if need <= 0 else None

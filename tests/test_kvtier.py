@@ -1,0 +1,431 @@
+"""kvtier: tiers, prefix matching, pinning, saving, restart, corruption, concurrency."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtier.store as store_mod
+from kvtier import KVLayout, KVLoadError, KVStore, StoreConfig
+from kvtier.disk import QUARANTINE, chunk_path
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+CHUNK = 4
+CB = CHUNK * LAYOUT.bytes_per_token  # bytes of one full chunk
+FP = "model-a"
+
+
+def kv(n: int, layout: KVLayout = LAYOUT, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, layout.num_kv_heads, n, layout.head_dim)
+    return [
+        (torch.randn(shape, generator=g).to(layout.dtype), torch.randn(shape, generator=g).to(layout.dtype))
+        for _ in range(layout.num_layers)
+    ]
+
+
+def make(tmp_path: Path, l0=100 * CB, l1=100 * CB, l2=100 * CB, layout=LAYOUT, fp=FP, **kw) -> KVStore:
+    kw.setdefault("async_save", False)
+    cfg = StoreConfig(l0, l1, l2, tmp_path / "l2", chunk_tokens=CHUNK, **kw)
+    return KVStore(cfg, layout, fp)
+
+
+def toks(n: int, base: int = 0) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def assert_restored(store: KVStore, match, layers, n: int) -> None:
+    r = store.load(match)
+    for i, (k, v) in enumerate(layers):
+        rk, rv = r.layer(i)
+        assert rk.shape == (1, LAYOUT.num_kv_heads, n, LAYOUT.head_dim) or rk.shape[2] == n
+        assert torch.equal(rk, k[:, :, :n]) and torch.equal(rv, v[:, :, :n])
+    r.wait()
+
+
+def files(tmp_path: Path) -> list[Path]:
+    return [p for p in (tmp_path / "l2").rglob("*.safetensors") if QUARANTINE not in p.parts]
+
+
+def quarantined(tmp_path: Path) -> list[Path]:
+    return list((tmp_path / "l2" / QUARANTINE).glob("*")) if (tmp_path / "l2" / QUARANTINE).exists() else []
+
+
+# ---- round trips ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tier", ["l0", "l1", "l2", "restart"])
+def test_bit_exact_round_trip(tmp_path, dtype, tier):
+    layout = KVLayout(3, 2, 8, dtype)
+    cb = CHUNK * layout.bytes_per_token
+    caps = {"l0": (10 * cb, 10 * cb), "l1": (0, 10 * cb)}.get(tier, (0, 0))
+    layers = kv(10, layout, seed=3)
+    s = make(tmp_path, *caps, l2=10 * cb, layout=layout)
+    s.put("t", toks(10), layers)
+    if tier == "restart":
+        s.close()
+        s = make(tmp_path, 0, 0, 10 * cb, layout=layout)
+    m = s.lookup("t", toks(10))
+    assert m.tokens == 10 and m.tier == ("l2" if tier == "restart" else tier)
+    r = s.load(m)
+    for i, (k, v) in enumerate(layers):
+        rk, rv = r.layer(i)
+        assert rk.dtype == dtype and rk.shape == (1, 2, 10, 8)
+        assert torch.equal(rk.view(torch.uint8), k.view(torch.uint8))
+        assert torch.equal(rv.view(torch.uint8), v.view(torch.uint8))
+    r.wait()
+    s.close()
+
+
+def test_put_copies_input(tmp_path):
+    s = make(tmp_path)
+    layers = kv(8)
+    orig = [(k.clone(), v.clone()) for k, v in layers]
+    s.put("t", toks(8), layers)
+    for k, v in layers:
+        k.zero_()
+        v.zero_()
+    assert_restored(s, s.lookup("t", toks(8)), orig, 8)
+
+
+def test_accepts_3d_and_longer_tensors(tmp_path):
+    s = make(tmp_path)
+    layers = kv(12)
+    s.put("t", toks(9), [(k[0], v[0]) for k, v in layers])
+    m = s.lookup("t", toks(12))
+    assert m.tokens == 9
+    assert_restored(s, m, layers, 9)
+
+
+def test_wrong_shape_or_dtype_is_rejected(tmp_path):
+    s = make(tmp_path)
+    with pytest.raises(ValueError):
+        s.put("t", toks(4), kv(4)[:2])
+    with pytest.raises(ValueError):
+        s.put("t", toks(8), kv(4))
+    with pytest.raises(ValueError):
+        s.put("t", toks(4), [(k.half(), v.half()) for k, v in kv(4)])
+
+
+# ---- prefix matching -------------------------------------------------------------------------------
+
+
+def test_partial_reuse_up_to_first_difference(tmp_path):
+    s = make(tmp_path)
+    layers = kv(10)
+    s.put("t", toks(10), layers)
+    q = toks(10)
+    q[6] = 999  # differs inside chunk 1
+    m = s.lookup("t", q + [5, 6])
+    assert m.tokens == 6 and [c.n_tokens for c in m.chunks] == [4, 2]
+    assert_restored(s, m, layers, 6)
+    # the last partial chunk of a short conversation stays usable
+    m = s.lookup("t", toks(9) + [777])
+    assert m.tokens == 9 and [c.n_tokens for c in m.chunks] == [4, 4, 1]
+    assert s.lookup("t", [999] + toks(9)).tokens == 0
+
+
+def test_namespaces_never_share(tmp_path):
+    s = make(tmp_path)
+    s.put("a", toks(8), kv(8))
+    assert s.lookup("b", toks(8)).tokens == 0
+    assert s.chain_keys("a", toks(8)) != s.chain_keys("b", toks(8))
+    assert s.lookup("a", toks(8)).tokens == 8
+
+
+def test_put_stores_only_new_chunks_and_drops_superseded_partial(tmp_path):
+    s = make(tmp_path)
+    keys6 = s.put("t", toks(6), kv(6))  # 4 + partial 2
+    assert keys6 == s.chain_keys("t", toks(6))
+    assert len(files(tmp_path)) == 2
+    saved = s.stats().bytes_saved
+    layers = kv(12, seed=1)
+    s.put("t", toks(12), layers)  # chunk 0 exists; chunk 1 supersedes the partial one
+    st = s.stats()
+    assert st.bytes_saved - saved == 8 * LAYOUT.bytes_per_token
+    assert len(files(tmp_path)) == 3 and st.tiers["l2"].entries == 3
+    assert not chunk_path(tmp_path / "l2", keys6[1]).exists()
+    # a shorter put covered by a longer stored sibling stores nothing and returns the covering key
+    k = s.put("t", toks(6), kv(6))
+    assert k[1] == s.chain_keys("t", toks(12))[1]
+    assert s.stats().bytes_saved == st.bytes_saved
+
+
+# ---- tiers, eviction, pinning ------------------------------------------------------------------------
+
+
+def test_demotion_order_l0_l1_l2(tmp_path):
+    s = make(tmp_path, l0=2 * CB, l1=2 * CB, l2=100 * CB)
+    for c in range(5):
+        s.put("t", toks(4, base=100 * c), kv(4, seed=c))
+    tiers = [s.lookup("t", toks(4, base=100 * c)).tier for c in range(5)]
+    assert tiers == ["l2", "l1", "l1", "l0", "l0"]
+    st = s.stats()
+    assert st.evictions_by_tier["l0"] == 3 and st.evictions_by_tier["l1"] == 1
+    # a hit from L2 is promoted into L0 after loading
+    m = s.lookup("t", toks(4))
+    s.load(m).wait()
+    assert s.lookup("t", toks(4)).tier == "l0"
+
+
+def test_l2_drops_least_recently_used_file(tmp_path):
+    s = make(tmp_path, 0, 0, 2 * CB)
+    s.put("t", toks(4, 0), kv(4))
+    s.put("t", toks(4, 100), kv(4))
+    assert s.lookup("t", toks(4, 0)).tokens == 4  # touch A: B is now the LRU
+    s.put("t", toks(4, 200), kv(4))
+    assert s.lookup("t", toks(4, 100)).tokens == 0
+    assert s.lookup("t", toks(4, 0)).tokens == 4 and s.lookup("t", toks(4, 200)).tokens == 4
+    assert len(files(tmp_path)) == 2
+
+
+def test_pinned_entries_survive_pressure(tmp_path):
+    s = make(tmp_path, l0=CB, l1=0, l2=CB)
+    a = kv(4, seed=1)
+    s.put("t", toks(4, 0), a)
+    m = s.lookup("t", toks(4, 0))
+    with s.acquire(m):
+        s.put("t", toks(4, 100), kv(4))  # neither L0 nor L2 can make room: not stored
+        assert s.lookup("t", toks(4, 100)).tokens == 0
+        assert s.lookup("t", toks(4, 0)).tier == "l0"
+        st = s.stats()
+        assert st.tiers["l0"].used_bytes <= CB and st.tiers["l2"].used_bytes <= CB
+    assert_restored(s, m, a, 4)
+    s.put("t", toks(4, 200), kv(4))  # released: now A can go
+    assert s.lookup("t", toks(4, 200)).tier == "l0"
+    assert s.lookup("t", toks(4, 0)).tokens == 0
+
+
+def test_chunk_larger_than_tier_skips_it(tmp_path):
+    s = make(tmp_path, l0=CB // 2, l1=CB, l2=CB)
+    s.put("t", toks(4), kv(4))
+    assert s.lookup("t", toks(4)).tier == "l1"
+    assert s.stats().tiers["l0"].used_bytes == 0
+
+
+# ---- persistence, sharing, corruption ---------------------------------------------------------------
+
+
+def test_restart_keeps_entries_and_sessions(tmp_path):
+    s = make(tmp_path, async_save=True)
+    layers = kv(10)
+    s.put("t", toks(10), layers, session="s1")
+    s.put("t", toks(4, 500), kv(4), session="s2")
+    s.close()
+    s2 = make(tmp_path)
+    st = s2.stats()
+    assert st.tiers["l2"].entries == 4 and st.tiers["l2"].used_bytes == 14 * LAYOUT.bytes_per_token
+    m = s2.lookup("t", toks(10))
+    assert m.tokens == 10 and m.tier == "l2"
+    assert_restored(s2, m, layers, 10)
+    assert s2.forget_session("t", "s1") == 3
+    assert s2.lookup("t", toks(10)).tokens == 0 and len(files(tmp_path)) == 1
+    assert s2.forget_namespace("t") == 1 and files(tmp_path) == []
+
+
+def _one_file(tmp_path: Path) -> Path:
+    s = make(tmp_path)
+    s.put("t", toks(4), kv(4))
+    s.close()
+    (f,) = files(tmp_path)
+    return f
+
+
+def _rewrite_metadata(path: Path, **changes: str) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        md = dict(f.metadata())
+        names = list(f.keys())
+        tensors = {k: f.get_tensor(k) for k in names}
+    md.update(changes)
+    save_file(tensors, str(path), metadata=md)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "version", "wrong_key", "bad_tokens"])
+def test_bad_file_at_start_is_a_quarantined_miss(tmp_path, damage):
+    f = _one_file(tmp_path)
+    data = f.read_bytes()
+    if damage == "truncate":
+        f.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        f.write_bytes(os.urandom(len(data)))
+    elif damage == "empty":
+        f.write_bytes(b"")
+    elif damage == "version":
+        _rewrite_metadata(f, format_version="999")
+    elif damage == "wrong_key":  # a file claiming a key its content does not hash to
+        f.rename(f.parent / ("0" * 32 + ".safetensors"))
+    elif damage == "bad_tokens":
+        _rewrite_metadata(f, token_ids="[9, 9, 9, 9]")
+    s = make(tmp_path)
+    assert s.lookup("t", toks(4)).tokens == 0
+    assert files(tmp_path) == [] and len(quarantined(tmp_path)) == 1
+    assert s.stats().quarantined == 1
+
+
+def test_bit_flip_in_tensor_data_is_a_load_error_then_a_miss(tmp_path):
+    f = _one_file(tmp_path)
+    data = bytearray(f.read_bytes())
+    data[-10] ^= 0x01  # header stays valid; the last layer's V changes
+    f.write_bytes(bytes(data))
+    s = make(tmp_path, 0, 0, 100 * CB)
+    m = s.lookup("t", toks(4))
+    assert m.tokens == 4 and m.tier == "l2"
+    r = s.load(m)
+    r.layer(0)  # earlier layers are intact and served
+    with pytest.raises(KVLoadError):
+        r.wait()
+    with pytest.raises(KVLoadError):
+        r.layer(LAYOUT.num_layers - 1)
+    assert s.lookup("t", toks(4)).tokens == 0
+    assert len(quarantined(tmp_path)) == 1
+    st = s.stats()
+    assert st.load_errors == 1 and st.misses == 2  # the failed load, then the lookup that missed
+
+
+def test_foreign_model_files_are_left_alone(tmp_path):
+    other = make(tmp_path, fp="model-b")
+    other.put("t", toks(4), kv(4))
+    other.close()
+    s = make(tmp_path)
+    assert s.lookup("t", toks(4)).tokens == 0
+    assert len(files(tmp_path)) == 1 and quarantined(tmp_path) == []
+    assert s.stats().tiers["l2"].entries == 0
+
+
+def test_crash_mid_write_leaves_nothing_readable(tmp_path, monkeypatch):
+    def crash(*a, **kw):
+        raise KeyboardInterrupt  # dies inside save_file, after the temp file was created
+
+    s = make(tmp_path)
+    real = store_mod.write_chunk.__globals__["save_file"]
+
+    def partial_save(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        crash()
+
+    monkeypatch.setitem(store_mod.write_chunk.__globals__, "save_file", partial_save)
+    with pytest.raises(KeyboardInterrupt):
+        s.put("t", toks(4), kv(4))
+    monkeypatch.setitem(store_mod.write_chunk.__globals__, "save_file", real)
+    assert files(tmp_path) == []
+    # a leftover temp file from a hard crash is never indexed
+    d = tmp_path / "l2" / "ab"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / ".abcd.tmp").write_bytes(b"partial")
+    s2 = make(tmp_path)
+    assert s2.stats().tiers["l2"].entries == 0 and s2.lookup("t", toks(4)).tokens == 0
+
+
+def test_disk_full_stops_saving_but_serving_goes_on(tmp_path, monkeypatch, caplog):
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_mod, "write_chunk", full)
+    s = make(tmp_path, async_save=True)
+    layers = kv(8)
+    s.put("t", toks(8), layers)
+    s.flush()
+    st = s.stats()
+    assert not st.saving_enabled and st.save_errors >= 1 and st.saves_pending == 0
+    assert st.tiers["l2"].used_bytes == 0
+    assert "disk full" in caplog.text
+    m = s.lookup("t", toks(8))
+    assert m.tokens == 8 and m.tier == "l0"
+    assert_restored(s, m, layers, 8)
+    s.put("t", toks(4, 100), kv(4))
+    s.flush()
+    assert s.stats().save_errors == st.save_errors  # no more attempts
+    s.close()
+
+
+def test_second_replica_adopts_shared_files(tmp_path):
+    a = make(tmp_path)
+    b = make(tmp_path)  # scanned before a wrote anything
+    layers = kv(10)
+    keys = a.put("t", toks(10), layers)
+    m = b.lookup("t", toks(10))
+    assert m.tokens == 8 and m.tier == "l2"  # full chunks found by a stat of the chained key
+    m = b.lookup("t", toks(10), hint_keys=keys)
+    assert m.tokens == 10 and m.tier == "l2"  # the partial chunk needs the hint
+    assert_restored(b, m, layers, 10)
+
+
+def test_stats_shape_is_json(tmp_path):
+    s = make(tmp_path)
+    s.put("t", toks(4), kv(4))
+    s.lookup("t", toks(4))
+    s.lookup("t", toks(4, 100))
+    d = json.loads(json.dumps(s.stats().to_dict()))
+    assert set(d["tiers"]) == {"l0", "l1", "l2"}
+    assert set(d["tiers"]["l0"]) == {"used_bytes", "capacity_bytes", "entries"}
+    assert d["hits"]["l0"] == 1 and d["misses"] == 1 and d["bytes_saved"] == CB
+    for key in ("evictions", "bytes_loaded", "saves_pending", "save_errors", "saving_enabled"):
+        assert key in d
+
+
+# ---- saving in the background, concurrency ---------------------------------------------------------
+
+
+def test_bounded_save_queue_applies_back_pressure(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = store_mod.write_chunk
+
+    def slow(*a, **kw):
+        gate.wait()
+        return real(*a, **kw)
+
+    monkeypatch.setattr(store_mod, "write_chunk", slow)
+    s = make(tmp_path, async_save=True, save_queue_chunks=1, save_workers=1)
+    t = threading.Thread(target=s.put, args=("t", toks(16), kv(16)))  # 4 chunks > 1 worker + 1 queued
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()  # blocked by the full queue
+    assert s.stats().saves_pending == 4
+    gate.set()
+    t.join()
+    s.flush()
+    assert s.stats().saves_pending == 0 and len(files(tmp_path)) == 4
+    s.close()
+
+
+def test_concurrent_put_and_get(tmp_path):
+    s = make(tmp_path, l0=6 * CB, l1=6 * CB, l2=40 * CB, async_save=True, save_workers=2, save_queue_chunks=4)
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for it in range(12):
+                base = 10_000 * w + 100 * (it % 4)
+                layers = kv(10, seed=w * 100 + it % 4)
+                s.put(f"ns{w % 2}", toks(10, base), layers, session=f"s{w}")
+                m = s.lookup(f"ns{w % 2}", toks(10, base))
+                with s.acquire(m):
+                    r = s.load(m)
+                    for i, (k, v) in enumerate(layers):
+                        rk, rv = r.layer(i)
+                        assert torch.equal(rk, k[:, :, : m.tokens]) and torch.equal(rv, v[:, :, : m.tokens])
+                st = s.stats()
+                for t in st.tiers.values():
+                    assert t.used_bytes <= t.capacity_bytes
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s.flush()
+    assert s.forget_session("ns0", "s0") > 0
+    s.close()
