@@ -1,0 +1,74 @@
+"""`attnstore serve [--settings PATH] [--host H] [--port P]` and `attnstore bench ...`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from .settings import SettingsError, load_settings
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # aiohttp's own access log would print one more line per request; ours is the [AttentionStore] line.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from .app import build_app
+
+    try:
+        settings, _ = load_settings(args.settings)
+    except SettingsError as exc:
+        print(f"attnstore: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.proxy.log_level)
+    host = args.host or settings.proxy.host
+    port = settings.proxy.port if args.port is None else args.port
+    app = build_app(settings)
+    logging.getLogger("attnstore").info("serving on http://%s:%d", host, port)
+    # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream call.
+    web.run_app(
+        app, host=host, port=port, handler_cancellation=True, access_log=None, print=None, shutdown_timeout=10
+    )
+    return 0
+
+
+def bench(argv: list[str]) -> int:
+    try:
+        module = importlib.import_module("bench.multiturn")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("bench", "bench.multiturn"):
+            raise
+        print("attnstore: the multi-turn benchmark (bench/multiturn.py) is not installed", file=sys.stderr)
+        return 2
+    return int(module.main(argv) or 0)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attnstore", description="AttentionStore caching proxy")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible proxy")
+    s.add_argument(
+        "--settings", default=None, help="settings file (default: $ATTNSTORE_SETTINGS or ./settings.json)"
+    )
+    s.add_argument("--host", default=None, help="listen address (default: proxy.host)")
+    s.add_argument("--port", type=int, default=None, help="listen port (default: proxy.port)")
+    sub.add_parser("bench", help="the multi-turn benchmark; arguments go to bench.multiturn", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        return bench(argv[1:])
+    args = parser().parse_args(argv)
+    return serve(args)

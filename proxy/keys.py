@@ -1,0 +1,15 @@
+"""Typed application keys shared by the proxy's modules (and the local backend)."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from .backend import LocalBackend
+from .settings import Settings
+
+SETTINGS = web.AppKey("settings", Settings)
+# One ClientSession for the app's life (created in a cleanup_ctx), used for every upstream call.
+HTTP_CLIENT = web.AppKey("http_client", aiohttp.ClientSession)
+# None: everything goes upstream. Otherwise an object implementing proxy.backend.LocalBackend.
+LOCAL_BACKEND: web.AppKey[LocalBackend | None] = web.AppKey("local_backend")

@@ -1,0 +1,37 @@
+"""Every error leaves as an OpenAI error object; client auth on /v1/*; nothing a client sends is a 5xx."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from .errors import APIError, error_response
+from .keys import SETTINGS
+from .tenant import check_client_auth
+
+log = logging.getLogger("attnstore")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        if request.path.startswith("/v1/"):
+            check_client_auth(request.headers, request.app[SETTINGS].proxy.api_keys)
+        return await handler(request)
+    except APIError as exc:
+        return error_response(exc)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(APIError(413, f"Request body too large: {exc.text}", code="request_too_large"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        keep = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        return error_response(APIError(exc.status, exc.reason, headers=keep))
+    except (ConnectionResetError, TimeoutError) as exc:
+        # The client went away mid-response; nobody is left to answer.
+        log.debug("client connection lost: %s", exc)
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(APIError(500, "Internal error in the proxy.", type_="server_error"))

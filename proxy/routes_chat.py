@@ -1,0 +1,48 @@
+"""POST /v1/chat/completions: parse, resolve tenant and session, route, then serve locally or upstream."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from aiohttp import web
+
+from .access_log import log_turn
+from .backend import RequestContext
+from .chat_request import parse_chat
+from .errors import APIError, error_response
+from .headers import store_headers
+from .keys import HTTP_CLIENT, LOCAL_BACKEND, SETTINGS
+from .routing import choose_route
+from .session import resolve_session
+from .tenant import tenant_of
+from .upstream import forward_chat
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    received_at = time.monotonic()
+    settings = request.app[SETTINGS]
+    raw = await request.read()  # enforces client_max_size (413 via the error middleware)
+    chat = parse_chat(raw)
+    key = settings.attention_store.session_key
+    chat.body_modified = key in chat.body
+    session = resolve_session(chat.body, request.headers, key)
+    ctx = RequestContext(
+        received_at=received_at,
+        tenant=tenant_of(request.headers),
+        session=session,
+        turn=chat.turn,
+        request_id=uuid.uuid4().hex[:16],
+    )
+    backend = request.app[LOCAL_BACKEND]
+    route = choose_route(settings, chat, backend)
+    if route.kind == "local" and backend is not None:
+        return await backend.handle(request, chat, ctx)
+    if route.kind == "upstream":
+        return await forward_chat(request, chat, ctx, settings, request.app[HTTP_CLIENT])
+    ttft_ms = (time.monotonic() - received_at) * 1000.0
+    log_turn(session=session, turn=chat.turn, cache="bypass", reused=0, prompt=0, ttft_ms=ttft_ms)
+    headers = store_headers(cache="bypass", route="upstream", reused=0, session=session, ttft_ms=ttft_ms)
+    return error_response(
+        APIError(400, f"Cannot serve this request: {route.reason}.", param="model"), headers
+    )

@@ -1,0 +1,67 @@
+"""GET /v1/models (local models merged with the upstream's list) and GET /healthz."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from .keys import HTTP_CLIENT, LOCAL_BACKEND, SETTINGS
+from .upstream import request_headers, upstream_url
+
+log = logging.getLogger("attnstore")
+
+
+async def _upstream_models(request: web.Request) -> list[dict[str, Any]]:
+    settings = request.app[SETTINGS]
+    if not settings.llm_endpoint.base_url:
+        return []
+    url = upstream_url(settings.llm_endpoint.base_url, "/v1/models")
+    headers = request_headers(request.headers, settings.upstream_api_key)
+    timeout = aiohttp.ClientTimeout(total=settings.proxy.models_timeout_s)
+    try:
+        async with request.app[HTTP_CLIENT].get(url, headers=headers, timeout=timeout) as resp:
+            if resp.status != 200:
+                log.warning("upstream /v1/models answered %d; listing local models only", resp.status)
+                return []
+            doc = orjson.loads(await resp.read())
+    except (asyncio.TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as exc:
+        log.warning("upstream /v1/models failed (%s); listing local models only", type(exc).__name__)
+        return []
+    data = doc.get("data") if isinstance(doc, dict) else None
+    return (
+        [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        if isinstance(data, list)
+        else []
+    )
+
+
+async def list_models(request: web.Request) -> web.Response:
+    settings = request.app[SETTINGS]
+    lr = settings.local_runner
+    local = (
+        [{"id": name, "object": "model", "created": 0, "owned_by": "attnstore"} for name in lr.models]
+        if lr.enabled
+        else []
+    )
+    seen = {m["id"] for m in local}
+    merged = local + [m for m in await _upstream_models(request) if m["id"] not in seen]
+    return web.Response(
+        body=orjson.dumps({"object": "list", "data": merged}), content_type="application/json"
+    )
+
+
+async def healthz(request: web.Request) -> web.Response:
+    settings = request.app[SETTINGS]
+    status = {
+        "status": "ok",
+        "replica": settings.proxy.replica_id or None,
+        "upstream": settings.llm_endpoint.base_url or None,
+        "local_models": list(settings.local_runner.models) if settings.local_runner.enabled else [],
+        "local_backend": request.app[LOCAL_BACKEND] is not None,
+    }
+    return web.Response(body=orjson.dumps(status), content_type="application/json")

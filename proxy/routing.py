@@ -1,0 +1,31 @@
+"""Decide where a chat request goes: the local backend, the upstream, or nowhere (a clear 400)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .backend import LocalBackend
+from .chat_request import ChatRequest
+from .settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    kind: Literal["local", "upstream", "none"]
+    # Why the request is not local (None for a local route); shown to the client when kind == "none".
+    reason: str | None = None
+
+
+def choose_route(settings: Settings, chat: ChatRequest, backend: LocalBackend | None) -> Route:
+    lr = settings.local_runner
+    reason: str | None
+    if backend is not None and lr.enabled and chat.model in lr.models:
+        reason = backend.supports(chat)
+        if reason is None:
+            return Route("local")
+    else:
+        reason = f"model {chat.model!r} is not served locally"
+    if settings.llm_endpoint.base_url:
+        return Route("upstream", reason)
+    return Route("none", f"{reason} and no upstream is configured (llm_endpoint.base_url is empty)")

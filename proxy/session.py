@@ -1,0 +1,42 @@
+"""Session id: the body field named by `attention_store.session_key`, else header X-Session-Id, else a
+fingerprint of the conversation's prefix (model + messages up to the first user message), which stays the
+same on every turn of a conversation, so unmodified clients get a stable session too."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from .errors import bad_request
+
+SESSION_HEADER = "X-Session-Id"
+_VALID = re.compile(r"^[\x21-\x7e]{1,128}$")  # visible ASCII: safe to echo in a response header
+
+
+def prefix_fingerprint(model: str, messages: list[Any]) -> str:
+    """Short hex hash of model + messages up to and including the first user message."""
+    end = len(messages)
+    for i, msg in enumerate(messages):
+        if isinstance(msg, dict) and msg.get("role") == "user":
+            end = i + 1
+            break
+    blob = orjson.dumps([model, messages[:end]], option=orjson.OPT_SORT_KEYS)
+    return "fp-" + hashlib.sha256(blob).hexdigest()[:16]
+
+
+def resolve_session(body: dict[str, Any], headers: Mapping[str, str], session_key: str) -> str:
+    """The request's session id; removes `session_key` from `body` (it never goes upstream)."""
+    given = body.pop(session_key, None)
+    param = session_key
+    if given is None:
+        given = headers.get(SESSION_HEADER)
+        param = SESSION_HEADER
+    if given is None:
+        return prefix_fingerprint(str(body.get("model", "")), body.get("messages") or [])
+    if not isinstance(given, str) or not _VALID.match(given):
+        raise bad_request(f"'{param}' must be a string of 1-128 visible ASCII characters.", param=param)
+    return given

@@ -1,0 +1,88 @@
+"""Shared fixtures for the proxy tests (and anyone else's tests that need a server or the fake upstream).
+
+- `make_settings(**sections)`: Settings from the test defaults (local runner off, L2 under tmp_path, the
+  fake upstream as llm_endpoint when `fake_upstream` is used) deep-merged with `sections`.
+- `fake_upstream`: a running `bench.fake_upstream.FakeUpstream` (`.url`, `.requests`, knobs).
+- `start_app(app_or_factory, **kw)`: start any aiohttp app in a background thread, stopped at teardown;
+  returns a `tests.servers.AppServer` (`.url`).
+- `start_proxy(settings=None, local_backend=None)`: build_app(settings) started the same way.
+- `proxy`: the proxy with default test settings in front of `fake_upstream`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from bench.fake_upstream import FakeUpstream
+from proxy.app import build_app
+from proxy.settings import Settings, parse_settings
+from tests.model_fixture import smollm  # noqa: F401 - the real model, once per session
+from tests.servers import AppServer
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def settings_dict(tmp_path: Path, base_url: str = "") -> dict[str, Any]:
+    return {
+        "attention_store": {"tiering": {"l2_disk": {"path": str(tmp_path / "kv")}}},
+        "llm_endpoint": {"base_url": base_url, "api_key_env": "ATTNSTORE_TEST_UPSTREAM_KEY", "model": ""},
+        "local_runner": {"enabled": False},
+        "proxy": {"host": "127.0.0.1", "port": 0},
+    }
+
+
+@pytest.fixture
+def start_app() -> Iterator[Callable[..., AppServer]]:
+    started: list[AppServer] = []
+
+    def start(app: Any, **kwargs: Any) -> AppServer:
+        server = AppServer(app, **kwargs).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in reversed(started):
+        server.stop()
+
+
+@pytest.fixture
+def fake_upstream(start_app) -> FakeUpstream:
+    fake = FakeUpstream()
+    fake.url = start_app(fake.app()).url
+    return fake
+
+
+@pytest.fixture
+def make_settings(tmp_path: Path, request: pytest.FixtureRequest) -> Callable[..., Settings]:
+    def make(**sections: Any) -> Settings:
+        base_url = ""
+        if "fake_upstream" in request.fixturenames:
+            base_url = request.getfixturevalue("fake_upstream").url + "/v1"
+        raw = deep_merge(settings_dict(tmp_path, base_url), sections)
+        return parse_settings(orjson.dumps(raw), tmp_path, env={})
+
+    return make
+
+
+@pytest.fixture
+def start_proxy(start_app, make_settings) -> Callable[..., AppServer]:
+    def start(settings: Settings | None = None, local_backend: Any = None) -> AppServer:
+        settings = settings or make_settings()
+        return start_app(build_app(settings, local_backend=local_backend))
+
+    return start
+
+
+@pytest.fixture
+def proxy(fake_upstream, start_proxy) -> AppServer:
+    return start_proxy()
