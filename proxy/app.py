@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from .backend import LocalBackend
-from .keys import HTTP_CLIENT, LOCAL_BACKEND, SETTINGS
+from local_runner.loader import LoadedModel
+
+from .backend import LocalBackend, RequestContext
+from .chat_request import ChatRequest
+from .errors import APIError
+from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
+from .local_setup import build_local_backend, load_models
+from .metrics import Metrics
 from .middleware import error_middleware
 from .routes_chat import chat_completions
 from .routes_misc import healthz, list_models
+from .routes_store import forget_session, metrics, stats, store_stats
+from .session_index import MemorySessionIndex, SessionIndex, open_session_index
 from .settings import Settings
+from .upstream import forward_chat
 
 
 async def _http_client(app: web.Application) -> AsyncIterator[None]:
@@ -21,21 +32,68 @@ async def _http_client(app: web.Application) -> AsyncIterator[None]:
     async with aiohttp.ClientSession(
         connector=connector,
         auto_decompress=False,
+        # Never keep upstream cookies: one client's Set-Cookie must not ride along with another's request.
+        cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("Accept-Encoding", "User-Agent", "Accept"),
     ) as session:
         app[HTTP_CLIENT] = session
         yield
 
 
-def build_app(settings: Settings, *, local_backend: LocalBackend | None = None) -> web.Application:
+async def _close_local(app: web.Application) -> None:
+    """Stop the runner's worker and let pending L2 writes finish, so a restart finds every chunk."""
+    backend = app[LOCAL_BACKEND]
+    runner = getattr(backend, "runner", None)
+    if runner is not None:
+        await asyncio.to_thread(runner.close)
+    await app[SESSION_INDEX].close()
+
+
+def build_app(
+    settings: Settings,
+    *,
+    local_backend: LocalBackend | None = None,
+    index: SessionIndex | None = None,
+) -> web.Application:
     app = web.Application(
         client_max_size=int(settings.proxy.max_body_mb * 1024 * 1024),
         middlewares=[error_middleware],
     )
     app[SETTINGS] = settings
     app[LOCAL_BACKEND] = local_backend
+    app[SESSION_INDEX] = index or MemorySessionIndex()
+    app[METRICS] = Metrics(lambda: store_stats(app))
     app.cleanup_ctx.append(_http_client)
+    app.on_cleanup.append(_close_local)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/attention_store/stats", stats)
+    app.router.add_delete("/v1/attention_store/sessions/{session_id}", forget_session)
     return app
+
+
+def build_full_app(
+    settings: Settings,
+    *,
+    models: Mapping[str, LoadedModel] | None = None,
+    base_dir: Path | None = None,
+) -> web.Application:
+    """The proxy as `attnstore serve` runs it: the session index from settings and, when the local
+    runner is enabled, its models (loaded here unless given), KV stores and backend."""
+    app = build_app(settings, index=open_session_index(settings.proxy.session_index))
+    if settings.local_runner.enabled:
+        models = models if models is not None else load_models(settings, base_dir)
+        app[LOCAL_BACKEND] = build_local_backend(
+            settings, app[SESSION_INDEX], app[METRICS], models, overflow=_overflow, base_dir=base_dir
+        )
+    return app
+
+
+async def _overflow(request: web.Request, chat: ChatRequest, ctx: RequestContext) -> web.StreamResponse:
+    """The local queue is full: the upstream takes the turn when it serves the same model."""
+    settings = request.app[SETTINGS]
+    if settings.llm_endpoint.base_url and settings.llm_endpoint.model == chat.model:
+        return await forward_chat(request, chat, ctx, settings, request.app[HTTP_CLIENT])
+    raise APIError(503, "The local queue is full; retry later.", code="queue_full")

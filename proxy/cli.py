@@ -23,7 +23,9 @@ def setup_logging(level: str) -> None:
 def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from .app import build_app
+    from local_runner.loader import ModelLoadError
+
+    from .app import build_full_app
 
     try:
         settings, _ = load_settings(args.settings)
@@ -33,7 +35,11 @@ def serve(args: argparse.Namespace) -> int:
     setup_logging(settings.proxy.log_level)
     host = args.host or settings.proxy.host
     port = settings.proxy.port if args.port is None else args.port
-    app = build_app(settings)
+    try:
+        app = build_full_app(settings)
+    except ModelLoadError as exc:  # a model that cannot load: one clear line, not a traceback
+        logging.getLogger("attnstore").error("cannot start: %s", exc)
+        return 1
     logging.getLogger("attnstore").info("serving on http://%s:%d", host, port)
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream call.
     web.run_app(

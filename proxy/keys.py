@@ -6,6 +6,8 @@ import aiohttp
 from aiohttp import web
 
 from .backend import LocalBackend
+from .metrics import Metrics
+from .session_index import SessionIndex
 from .settings import Settings
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -13,3 +15,7 @@ SETTINGS = web.AppKey("settings", Settings)
 HTTP_CLIENT = web.AppKey("http_client", aiohttp.ClientSession)
 # None: everything goes upstream. Otherwise an object implementing proxy.backend.LocalBackend.
 LOCAL_BACKEND: web.AppKey[LocalBackend | None] = web.AppKey("local_backend")
+# Prometheus registry of this app (no process-global metrics).
+METRICS = web.AppKey("metrics", Metrics)
+# Which replica/tier holds each session's KV: in memory, or Redis shared by replicas.
+SESSION_INDEX: web.AppKey[SessionIndex] = web.AppKey("session_index")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
-import uuid
 
 from aiohttp import web
 
@@ -11,12 +12,15 @@ from .access_log import log_turn
 from .backend import RequestContext
 from .chat_request import parse_chat
 from .errors import APIError, error_response
-from .headers import store_headers
-from .keys import HTTP_CLIENT, LOCAL_BACKEND, SETTINGS
+from .headers import TTFT, store_headers
+from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS, SETTINGS
 from .routing import choose_route
 from .session import resolve_session
 from .tenant import tenant_of
 from .upstream import forward_chat
+
+_ids = itertools.count(1)
+_ID_PREFIX = f"{os.getpid():x}{int(time.time()) & 0xFFFFFF:06x}-"
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -32,14 +36,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tenant=tenant_of(request.headers),
         session=session,
         turn=chat.turn,
-        request_id=uuid.uuid4().hex[:16],
+        request_id=f"{_ID_PREFIX}{next(_ids)}",
     )
     backend = request.app[LOCAL_BACKEND]
     route = choose_route(settings, chat, backend)
     if route.kind == "local" and backend is not None:
         return await backend.handle(request, chat, ctx)
     if route.kind == "upstream":
-        return await forward_chat(request, chat, ctx, settings, request.app[HTTP_CLIENT])
+        response = await forward_chat(request, chat, ctx, settings, request.app[HTTP_CLIENT])
+        ttft_ms = float(response.headers.get(TTFT, 0) or 0)
+        request.app[METRICS].observe_turn(
+            route="upstream", cache="bypass", reused=0, prompt=0, ttft_ms=ttft_ms
+        )
+        return response
     ttft_ms = (time.monotonic() - received_at) * 1000.0
     log_turn(session=session, turn=chat.turn, cache="bypass", reused=0, prompt=0, ttft_ms=ttft_ms)
     headers = store_headers(cache="bypass", route="upstream", reused=0, session=session, ttft_ms=ttft_ms)
