@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import logging
 import sys
@@ -18,6 +19,15 @@ def setup_logging(level: str) -> None:
     )
     # aiohttp's own access log would print one more line per request; ours is the [AttentionStore] line.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where it is installed (it roughly halves the event loop's share of a proxied request)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -43,7 +53,14 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("attnstore").info("serving on http://%s:%d", host, port)
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream call.
     web.run_app(
-        app, host=host, port=port, handler_cancellation=True, access_log=None, print=None, shutdown_timeout=10
+        app,
+        host=host,
+        port=port,
+        loop=new_event_loop(),
+        handler_cancellation=True,
+        access_log=None,
+        print=None,
+        shutdown_timeout=10,
     )
     return 0
 

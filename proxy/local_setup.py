@@ -1,0 +1,99 @@
+"""Build the local serving stack from settings: models, one KV store per model, the runner, the backend.
+
+Model loading is slow the first time (GGUF de-quantization), so it happens before the server listens;
+tests load the model once and pass it in through `models`.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+
+from kvtier import KVStore, StoreConfig
+from local_runner.loader import LoadedModel, load_model
+from local_runner.runner import Runner
+
+from .local_backend import LocalChatBackend, UpstreamFallback
+from .metrics import Metrics
+from .session_index import SessionIndex
+from .settings import Settings, resolve_path
+
+MB = 1024 * 1024
+
+
+def replica_id(settings: Settings) -> str:
+    return settings.proxy.replica_id or f"{socket.gethostname()}:{settings.proxy.port}"
+
+
+def load_models(settings: Settings, base_dir: Path | None = None) -> dict[str, LoadedModel]:
+    lr = settings.local_runner
+    base = base_dir or Path.cwd()
+    return {
+        name: load_model(
+            name,
+            source if source.startswith("pkg:") else str(resolve_path(source, base)),
+            device=lr.device,
+            dtype=lr.dtype,
+            cache_dir=resolve_path(lr.cache_dir, base),
+            threads=lr.threads,
+        )
+        for name, source in lr.models.items()
+    }
+
+
+def open_stores(
+    settings: Settings, models: Mapping[str, LoadedModel], base_dir: Path | None = None
+) -> dict[str, KVStore]:
+    """One store per model: keys carry the model's fingerprint, so models may share the L2 folder."""
+    store_settings = settings.attention_store
+    if not store_settings.enabled:
+        return {}
+    tiering = store_settings.tiering
+    l2 = resolve_path(tiering.l2_disk.path, base_dir or Path.cwd())
+    return {
+        name: KVStore(
+            StoreConfig(
+                l0_capacity_bytes=int(tiering.l0_gpu.capacity_mb * MB),
+                l1_capacity_bytes=int(tiering.l1_host.capacity_mb * MB),
+                l2_capacity_bytes=int(tiering.l2_disk.capacity_mb * MB),
+                l2_path=l2,
+                chunk_tokens=settings.local_runner.kv_chunk_tokens,
+                device=lm.device,
+                async_save=store_settings.preload.async_save,
+            ),
+            lm.layout,
+            lm.fingerprint,
+        )
+        for name, lm in models.items()
+    }
+
+
+def build_local_backend(
+    settings: Settings,
+    index: SessionIndex,
+    metrics: Metrics,
+    models: Mapping[str, LoadedModel],
+    *,
+    overflow: UpstreamFallback | None = None,
+    base_dir: Path | None = None,
+) -> LocalChatBackend:
+    lr = settings.local_runner
+    preload = settings.attention_store.preload
+    aware = settings.attention_store.scheduler_aware
+    runner = Runner(
+        models,
+        open_stores(settings, models, base_dir),
+        max_queue=lr.max_queue,
+        max_running=lr.max_running,
+        lookahead=preload.lookahead_turns if (preload.enabled and aware.enabled) else 0,
+    )
+    return LocalChatBackend(
+        runner,
+        index,
+        metrics,
+        replica=replica_id(settings),
+        reuse=settings.attention_store.enabled,
+        default_max_tokens=lr.max_tokens_default,
+        overflow=overflow,
+    )

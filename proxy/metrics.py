@@ -1,0 +1,87 @@
+"""Prometheus metrics: one registry per app (no process-global state), store gauges read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
+
+
+class _StoreCollector(Collector):
+    """Turns the KV stores' stats dicts into gauges and counters when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], dict[str, dict]]):
+        self._stats = stats
+
+    def collect(self) -> Iterable:
+        used = GaugeMetricFamily(
+            "attnstore_tier_used_bytes", "Bytes held per KV tier", labels=["model", "tier"]
+        )
+        cap = GaugeMetricFamily(
+            "attnstore_tier_capacity_bytes", "Capacity per KV tier", labels=["model", "tier"]
+        )
+        entries = GaugeMetricFamily("attnstore_tier_entries", "KV chunks per tier", labels=["model", "tier"])
+        hits = CounterMetricFamily("attnstore_store_hits", "Chunk hits per tier", labels=["model", "tier"])
+        misses = CounterMetricFamily("attnstore_store_misses", "Lookups that found nothing", labels=["model"])
+        evictions = CounterMetricFamily("attnstore_store_evictions", "Chunks evicted", labels=["model"])
+        loaded = CounterMetricFamily(
+            "attnstore_store_loaded_bytes", "Bytes loaded from the store", labels=["model"]
+        )
+        saved = CounterMetricFamily("attnstore_store_saved_bytes", "Bytes written to L2", labels=["model"])
+        pending = GaugeMetricFamily(
+            "attnstore_saves_pending", "L2 writes queued or running", labels=["model"]
+        )
+        for model, s in self._stats().items():
+            for tier, t in s.get("tiers", {}).items():
+                used.add_metric([model, tier], t.get("used_bytes", 0))
+                cap.add_metric([model, tier], t.get("capacity_bytes", 0))
+                entries.add_metric([model, tier], t.get("entries", 0))
+            for tier, n in s.get("hits", {}).items():
+                hits.add_metric([model, tier], n)
+            misses.add_metric([model], s.get("misses", 0))
+            ev = s.get("evictions", 0)
+            evictions.add_metric([model], sum(ev.values()) if isinstance(ev, dict) else ev)
+            loaded.add_metric([model], s.get("bytes_loaded", 0))
+            saved.add_metric([model], s.get("bytes_saved", 0))
+            pending.add_metric([model], s.get("saves_pending", 0))
+        yield from (used, cap, entries, hits, misses, evictions, loaded, saved, pending)
+
+
+class Metrics:
+    def __init__(self, store_stats: Callable[[], dict[str, dict]] | None = None):
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "attnstore_chat_requests",
+            "Chat requests by route and cache level",
+            ["route", "cache"],
+            registry=self.registry,
+        )
+        self.reused_tokens = Counter(
+            "attnstore_reused_tokens", "Prompt tokens whose KV was reused", registry=self.registry
+        )
+        self.prefilled_tokens = Counter(
+            "attnstore_prefilled_tokens", "Prompt tokens computed by prefill", registry=self.registry
+        )
+        self.ttft = Histogram(
+            "attnstore_ttft_seconds",
+            "Time to first token by cache level",
+            ["cache"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        if store_stats is not None:
+            self.registry.register(_StoreCollector(store_stats))
+
+    def observe_turn(self, *, route: str, cache: str, reused: int, prompt: int, ttft_ms: float) -> None:
+        self.requests.labels(route, cache).inc()
+        self.ttft.labels(cache).observe(ttft_ms / 1000.0)
+        if route == "local":
+            self.reused_tokens.inc(reused)
+            self.prefilled_tokens.inc(max(0, prompt - reused))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
