@@ -44,6 +44,7 @@ class JobState:
         self.prefill_started: float | None = None
         self._pins = ExitStack()
         self.finished = False
+        self.finish_reason: str | None = None
 
     # -- steps -------------------------------------------------------------------------------------
 
@@ -144,6 +145,7 @@ class JobState:
     def _finish(self, reason: str) -> None:
         self._pins.close()
         self.finished = True
+        self.finish_reason = reason
         rest = self.text.finish() if reason != "cancelled" else ""
         if rest:
             self.job.emit(TextDelta(rest))

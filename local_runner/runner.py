@@ -67,6 +67,10 @@ class Runner:
     def running(self) -> int:
         return self._worker.running
 
+    @property
+    def cancelled(self) -> int:
+        return self._worker.cancelled
+
     def close(self) -> None:
         self._worker.close()
         for store in self.stores.values():

@@ -42,6 +42,7 @@ class Worker:
         self._prefetched: set[int] = set()
         self._cond = threading.Condition()
         self._stopping = False
+        self.cancelled = 0  # jobs stopped because their client went away
         self._thread = threading.Thread(target=self._run, name="attnstore-runner", daemon=True)
         self._thread.start()
 
@@ -96,6 +97,7 @@ class Worker:
                 state.step()
                 if state.finished:
                     self._running.remove(state)
+                    self.cancelled += state.finish_reason == "cancelled"
         self._fail_all("the local runner stopped")
 
     def _admit(self, job: Job) -> None:

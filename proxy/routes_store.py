@@ -42,7 +42,9 @@ async def stats(request: web.Request) -> web.Response:
         "enabled": settings.attention_store.enabled,
         **_sum_stats(per_model),
         "models": per_model,
-        "runner": {"queued": runner.queue_depth, "running": runner.running} if runner else None,
+        "runner": {"queued": runner.queue_depth, "running": runner.running, "cancelled": runner.cancelled}
+        if runner
+        else None,
         "session_index": request.app[SESSION_INDEX].describe(),
     }
     return web.Response(body=orjson.dumps(body), content_type="application/json")

@@ -1,0 +1,163 @@
+"""Local serving through the proxy: OpenAI's wire format, routing of unsupported options, queue, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import orjson
+import pytest
+import urllib3
+
+from proxy.app import build_full_app
+from tests.model_fixture import MODEL
+
+pytestmark = pytest.mark.model
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture
+def local_proxy(start_app, make_settings, smollm):
+    def start(**sections):
+        lr = {"enabled": True, **sections.pop("local_runner", {})}
+        return start_app(build_full_app(make_settings(local_runner=lr, **sections), models={MODEL: smollm}))
+
+    return start
+
+
+def post(server, body: dict) -> urllib3.BaseHTTPResponse:
+    return urllib3.request(
+        "POST",
+        server.url + "/v1/chat/completions",
+        body=orjson.dumps(body),
+        headers={"Content-Type": "application/json"},
+        timeout=120,
+    )
+
+
+def test_non_streamed_response_is_openais_format(local_proxy):
+    server = local_proxy()
+    resp = post(server, {"model": MODEL, "messages": HELLO, "max_tokens": 5, "temperature": 0})
+    assert resp.status == 200
+    body = orjson.loads(resp.data)
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["model"] == MODEL and isinstance(body["created"], int)
+    assert body["system_fingerprint"].startswith("fp_")
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["completion_tokens"] <= 5 and usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert resp.headers["X-AttentionStore-Route"] == "local"
+
+
+def test_streamed_chunks_share_id_and_end_with_usage_then_done(local_proxy):
+    server = local_proxy()
+    resp = post(
+        server,
+        {
+            "model": MODEL,
+            "messages": HELLO,
+            "max_tokens": 6,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    events = [line[6:] for line in resp.data.decode().split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 6
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_openai_client_stop_and_max_completion_tokens(local_proxy):
+    server = local_proxy()
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
+    full = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name three colors."}],
+        temperature=0,
+        max_completion_tokens=20,
+    )
+    text = full.choices[0].message.content
+    assert "\n" in text
+    cut = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name three colors."}],
+        temperature=0,
+        max_completion_tokens=20,
+        stop=["\n"],
+    )
+    assert cut.choices[0].message.content == text[: text.index("\n")]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"n": 2},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        {"logprobs": True},
+    ],
+)
+def test_unsupported_options_go_upstream(local_proxy, fake_upstream, extra):
+    server = local_proxy()
+    resp = post(server, {"model": MODEL, "messages": HELLO, **extra})
+    assert resp.status == 200
+    assert resp.headers["X-AttentionStore-Route"] == "upstream"
+    assert resp.headers["X-AttentionStore-Cache"] == "bypass"
+    assert len(fake_upstream.requests) == 1
+
+
+def test_unsupported_options_without_upstream_get_a_clear_400(local_proxy):
+    server = local_proxy()
+    resp = post(server, {"model": MODEL, "messages": HELLO, "n": 3})
+    assert resp.status == 400
+    error = orjson.loads(resp.data)["error"]
+    assert "n > 1" in error["message"] and "no upstream" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"temperature": 5}, "temperature"), ({"max_tokens": 0}, "max_tokens"), ({"stop": 3}, "stop")],
+)
+def test_bad_sampling_values_are_400(local_proxy, extra, param):
+    resp = post(local_proxy(), {"model": MODEL, "messages": HELLO, **extra})
+    assert resp.status == 400 and orjson.loads(resp.data)["error"]["param"] == param
+
+
+def test_models_lists_the_local_model(local_proxy):
+    data = orjson.loads(urllib3.request("GET", local_proxy().url + "/v1/models").data)["data"]
+    assert MODEL in [m["id"] for m in data]
+
+
+async def test_queue_full_is_503_and_disconnect_cancels(local_proxy):
+    server = local_proxy(local_runner={"max_queue": 1, "max_running": 1})
+    long = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Count to five hundred."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    async with aiohttp.ClientSession() as http:
+        url = server.url + "/v1/chat/completions"
+        running = await http.post(url, json=long)  # streaming: its headers arrive with the first token
+        waiting = asyncio.ensure_future(http.post(url, json={**long, "max_tokens": 2, "stream": False}))
+        await asyncio.sleep(0.5)
+        refused = await http.post(url, json={**long, "max_tokens": 2, "stream": False})
+        assert refused.status == 503
+        assert (await refused.json())["error"]["code"] == "queue_full"
+        running.close()  # the client goes away mid-stream: its job must stop and free the worker
+        finished = await waiting
+        assert finished.status == 200
+    stats = orjson.loads(urllib3.request("GET", server.url + "/v1/attention_store/stats").data)
+    assert stats["runner"] == {"queued": 0, "running": 0, "cancelled": 1}
