@@ -49,6 +49,7 @@ class RestoredKV:
         self._v: list[torch.Tensor | None] = [None] * n
         self._ready = [threading.Event() for _ in range(n)]
         self._error: KVLoadError | None = None
+        self._settled = threading.Event()  # set once the store's bookkeeping (promotion, unpinning) is done
         # Outputs are allocated here, in the caller's thread: memory from a worker thread's malloc arena is
         # returned to the OS after each load and page-faulted in again (measured ~10x slower on CPU).
         shape = (1, layout.num_kv_heads, num_tokens, layout.head_dim)
@@ -62,6 +63,7 @@ class RestoredKV:
         if num_tokens == 0:
             for i in range(n):
                 self._set(i, *self._out[i])
+            self._settled.set()
 
     def _set(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._k[i], self._v[i] = k, v
@@ -82,9 +84,11 @@ class RestoredKV:
         return k, v
 
     def wait(self) -> None:
-        """Block until every layer is loaded; raises KVLoadError if any chunk failed."""
+        """Block until every layer is loaded and the store has promoted the chunks; raises KVLoadError
+        if any chunk failed."""
         for ev in self._ready:
             ev.wait()
+        self._settled.wait()
         if self._error is not None:
             raise self._error
 

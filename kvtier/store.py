@@ -305,6 +305,7 @@ class KVStore:
                     self._c.misses += 1
                     self._c.load_errors += 1
                     restored._fail(KVLoadError(f"chunk {c.key} is no longer stored"))
+                    restored._settled.set()
                     return restored
                 e.pins += 1
                 pinned.append(e)
@@ -323,6 +324,12 @@ class KVStore:
             e.pins -= 1
 
     def _run_load(self, plan: list[PlanItem], restored: RestoredKV, pinned: list[Entry]) -> None:
+        try:
+            self._load_and_promote(plan, restored, pinned)
+        finally:
+            restored._settled.set()
+
+    def _load_and_promote(self, plan: list[PlanItem], restored: RestoredKV, pinned: list[Entry]) -> None:
         try:
             from_disk = run_load(plan, restored, self.layout, self.device)
         except LoadFailure as f:
