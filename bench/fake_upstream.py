@@ -52,6 +52,7 @@ class FakeUpstream:
     )
     chunk_delay_s: float = 0.0  # pause before each streamed chunk
     n_chunks: int = 0  # streamed content chunks; 0 = one per answer word
+    stall_after: int = -1  # >= 0: a stream goes silent forever after this many events
     prompt_tokens: int = 11
     models: list[str] = field(default_factory=lambda: ["gpt-fake"])
     models_delay_s: float = 0.0
@@ -111,7 +112,9 @@ class FakeUpstream:
         if include_usage:
             events.append({**base, "choices": [], "usage": usage})
         try:
-            for ev in events:
+            for i, ev in enumerate(events):
+                if i == self.stall_after:
+                    await asyncio.sleep(3600)
                 if self.chunk_delay_s:
                     await asyncio.sleep(self.chunk_delay_s)
                 await resp.write(b"data: " + orjson.dumps(ev) + b"\n\n")

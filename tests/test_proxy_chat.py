@@ -187,6 +187,27 @@ def test_upstream_slow_is_504(fake_upstream, start_proxy, make_settings):
     assert client(server).chat.completions.create(model="gpt-fake", messages=MSGS).choices
 
 
+async def test_upstream_silent_mid_stream_ends_the_stream_unfinished(
+    fake_upstream, start_proxy, make_settings
+):
+    fake_upstream.stall_after = 2
+    server = start_proxy(make_settings(proxy={"upstream_timeout_s": 0.5}))
+    body = {"model": "gpt-fake", "messages": MSGS, "stream": True}
+    received = b""
+    start = time.monotonic()
+    async with aiohttp.ClientSession() as s, s.post(server.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        try:
+            async for chunk in resp.content.iter_any():
+                received += chunk
+        except aiohttp.ClientPayloadError:
+            pass  # the unfinished chunked body is the signal
+    assert time.monotonic() - start < 10
+    assert received.count(b"data: ") == 2 and b"[DONE]" not in received
+    fake_upstream.stall_after = -1
+    assert client(server).chat.completions.create(model="gpt-fake", messages=MSGS).choices
+
+
 async def test_client_disconnect_closes_upstream(proxy, fake_upstream):
     fake_upstream.chunk_delay_s = 0.1
     fake_upstream.n_chunks = 100  # ~10 s if nobody stops it
