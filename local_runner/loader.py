@@ -120,9 +120,10 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _READY_MARK).write_text(gguf.name)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process (a second replica) finished first: keep its copy
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -134,7 +134,7 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _INDEX = re.compile(r"^(memory|(redis|rediss|unix)://.+)$")
 
 
-def _check_values(s: Settings, base_dir: Path) -> None:
+def _check_values(s: Settings, base_dir: Path, check_paths: bool) -> None:
     """Checks msgspec's type system cannot express; each raises one line naming the key."""
     lr = s.local_runner
     if not _DEVICE.match(lr.device):
@@ -151,7 +151,7 @@ def _check_values(s: Settings, base_dir: Path) -> None:
     base = s.llm_endpoint.base_url
     if base and not re.match(r"^https?://[^/\s]+", base):
         raise SettingsError(f"llm_endpoint.base_url: {base!r} is not an http(s) URL")
-    if s.attention_store.enabled:
+    if s.attention_store.enabled and check_paths:
         l2 = resolve_path(s.attention_store.tiering.l2_disk.path, base_dir)
         try:
             l2.mkdir(parents=True, exist_ok=True)
@@ -168,8 +168,17 @@ def resolve_path(path: str, base_dir: Path) -> Path:
     return p if p.is_absolute() else (base_dir / p)
 
 
-def parse_settings(raw: bytes, base_dir: Path | None = None, *, env: dict[str, str] | None = None) -> Settings:
-    """Decode and validate settings from JSON bytes; relative paths are taken from `base_dir`."""
+def parse_settings(
+    raw: bytes,
+    base_dir: Path | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    check_paths: bool = True,
+) -> Settings:
+    """Decode and validate settings from JSON bytes; relative paths are taken from `base_dir`.
+
+    `check_paths=False` validates a file meant for another machine (a container's settings) without
+    creating its L2 folder here."""
     env = os.environ if env is None else env
     try:
         settings = msgspec.json.decode(raw, type=Settings)
@@ -180,7 +189,7 @@ def parse_settings(raw: bytes, base_dir: Path | None = None, *, env: dict[str, s
     redis_url = env.get("ATTNSTORE_REDIS_URL")
     if redis_url:
         settings.proxy.session_index = redis_url
-    _check_values(settings, base_dir or Path.cwd())
+    _check_values(settings, base_dir or Path.cwd(), check_paths)
     return settings
 
 
