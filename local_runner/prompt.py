@@ -63,3 +63,24 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[st
         normalize_messages(messages), add_generation_prompt=True, tokenize=True, return_dict=False
     )
     return list(ids)
+
+
+def truncate_history(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]], max_tokens: int
+) -> list[dict[str, Any]]:
+    """Drop the oldest turns (never system messages, never the last message) until the prompt fits.
+
+    Leading assistant messages left behind by a dropped user turn go too, so the history still starts
+    with a user turn after the system prompt."""
+    kept = list(messages)
+    while len(render_prompt(tokenizer, kept)) > max_tokens:
+        droppable = [i for i, m in enumerate(kept[:-1]) if m.get("role") not in ("system", "developer")]
+        if not droppable:
+            break
+        del kept[droppable[0]]
+        while len(kept) > 1 and kept[0].get("role") == "assistant":
+            del kept[0]
+        first = next((i for i, m in enumerate(kept) if m.get("role") not in ("system", "developer")), None)
+        if first is not None and first < len(kept) - 1 and kept[first].get("role") == "assistant":
+            del kept[first]
+    return kept

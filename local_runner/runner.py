@@ -11,7 +11,7 @@ from kvtier import KVStore
 from .engine import JobState
 from .jobs import GenerationRequest, Job
 from .loader import LoadedModel
-from .prompt import PromptError, render_prompt
+from .prompt import PromptError, render_prompt, truncate_history
 from .worker import Worker
 
 
@@ -25,10 +25,14 @@ class Runner:
         max_running: int = 4,
         lookahead: int = 1,
         prefill_chunk: int = 512,
+        max_context_tokens: int | None = None,
+        truncate_on_overflow: bool = False,
     ):
         self.models = dict(models)
         self.stores = dict(stores or {})
         self._prefill_chunk = prefill_chunk
+        self._max_context = max_context_tokens
+        self._truncate = truncate_on_overflow
         self._worker = Worker(
             self._start_job, self._prefetch, max_queue=max_queue, max_running=max_running, lookahead=lookahead
         )
@@ -36,21 +40,33 @@ class Runner:
     def serves(self, model: str) -> bool:
         return model in self.models
 
-    def render(self, model: str, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """Prompt token ids; raises PromptError for content the runner cannot serve or that is too long."""
+    def context_limit(self, model: str) -> int:
+        """Prompt + answer tokens a job may hold: the model's context, or less where settings say so."""
+        limit = self.models[model].max_context
+        return min(limit, self._max_context) if self._max_context else limit
+
+    def render(self, model: str, messages: Sequence[dict[str, Any]], reserve: int = 1) -> list[int]:
+        """Prompt token ids, leaving `reserve` tokens of the context for the answer.
+
+        A conversation that has outgrown the context loses its oldest turns (system messages and the
+        last message stay) when truncate_on_overflow is set; otherwise it is refused with PromptError,
+        as is content the runner cannot serve."""
         lm = self.models[model]
+        limit = self.context_limit(model)
+        reserve = max(1, min(reserve, limit // 4))
         ids = render_prompt(lm.tokenizer, messages)
-        if len(ids) >= lm.max_context:
+        if len(ids) + reserve > limit and self._truncate:
+            ids = render_prompt(lm.tokenizer, truncate_history(lm.tokenizer, messages, limit - reserve))
+        if len(ids) + reserve > limit:
             raise PromptError(
-                f"the prompt has {len(ids)} tokens; {model} takes at most {lm.max_context - 1}", "messages"
+                f"the prompt has {len(ids)} tokens; {model} takes at most {limit - reserve} here", "messages"
             )
         return ids
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Job:
         """Queue a job (raises worker.QueueFull when the queue is full). max_tokens is capped so that
         prompt + answer fit the model's context."""
-        lm = self.models[request.model]
-        room = lm.max_context - len(request.prompt_ids)
+        room = self.context_limit(request.model) - len(request.prompt_ids)
         request.sampling.max_tokens = max(1, min(request.sampling.max_tokens, room))
         job = Job(request, loop or asyncio.get_running_loop())
         self._worker.submit(job)

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from .params import SamplingParams
 
-@dataclass
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+__all__ = ["Sampler", "SamplingParams"]
 
 
 class Sampler:

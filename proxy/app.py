@@ -5,17 +5,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
-
-from local_runner.loader import LoadedModel
 
 from .backend import LocalBackend, RequestContext
 from .chat_request import ChatRequest
 from .errors import APIError
 from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
-from .local_setup import build_local_backend, load_models
 from .metrics import Metrics
 from .middleware import error_middleware
 from .routes_chat import chat_completions
@@ -24,6 +22,9 @@ from .routes_store import forget_session, metrics, stats, store_stats
 from .session_index import MemorySessionIndex, SessionIndex, open_session_index
 from .settings import Settings
 from .upstream import forward_chat
+
+if TYPE_CHECKING:  # torch and transformers load only when the local runner is enabled
+    from local_runner.loader import LoadedModel
 
 
 async def _http_client(app: web.Application) -> AsyncIterator[None]:
@@ -84,6 +85,8 @@ def build_full_app(
     runner is enabled, its models (loaded here unless given), KV stores and backend."""
     app = build_app(settings, index=open_session_index(settings.proxy.session_index))
     if settings.local_runner.enabled:
+        from .local_setup import build_local_backend, load_models
+
         models = models if models is not None else load_models(settings, base_dir)
         app[LOCAL_BACKEND] = build_local_backend(
             settings, app[SESSION_INDEX], app[METRICS], models, overflow=_overflow, base_dir=base_dir

@@ -69,7 +69,9 @@ class LocalChatBackend:
     ) -> web.StreamResponse:
         sampling = sampling_params(chat.body, self.default_max_tokens)
         try:
-            prompt_ids = await asyncio.to_thread(self.runner.render, chat.model, chat.messages)
+            prompt_ids = await asyncio.to_thread(
+                self.runner.render, chat.model, chat.messages, sampling.max_tokens
+            )
         except PromptError as exc:
             raise APIError(
                 400,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from local_runner.sampling import SamplingParams
+from local_runner.params import SamplingParams
 
 from .errors import bad_request
 

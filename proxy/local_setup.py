@@ -87,6 +87,8 @@ def build_local_backend(
         max_queue=lr.max_queue,
         max_running=lr.max_running,
         lookahead=preload.lookahead_turns if (preload.enabled and aware.enabled) else 0,
+        max_context_tokens=settings.attention_store.position_encoding.max_context_tokens,
+        truncate_on_overflow=settings.attention_store.position_encoding.truncate_on_overflow,
     )
     return LocalChatBackend(
         runner,
