@@ -129,3 +129,26 @@ def test_unsupported_content_and_overlong_prompts_are_refused(runner):
         )
     with pytest.raises(PromptError, match="tokens"):
         runner.render(MODEL, [{"role": "user", "content": "word " * 9000}])
+
+
+def test_overflowing_history_drops_oldest_turns_when_allowed(smollm):
+    history = [{"role": "system", "content": "Be brief."}]
+    for i in range(6):
+        history += [
+            {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
+            {"role": "assistant", "content": f"The answer to question {i} is {2 * i}."},
+        ]
+    history.append({"role": "user", "content": "And the last question?"})
+    strict = Runner({MODEL: smollm}, max_context_tokens=120)
+    lenient = Runner({MODEL: smollm}, max_context_tokens=120, truncate_on_overflow=True)
+    try:
+        with pytest.raises(PromptError, match="tokens"):
+            strict.render(MODEL, history, reserve=16)
+        ids = lenient.render(MODEL, history, reserve=16)
+        text = smollm.tokenizer.decode(ids)
+        assert len(ids) + 16 <= 120
+        assert "Be brief." in text and "And the last question?" in text
+        assert "Question number 0" not in text and "Question number 5" in text
+    finally:
+        strict.close()
+        lenient.close()
