@@ -21,7 +21,9 @@ async def _upstream_models(request: web.Request) -> list[dict[str, Any]]:
     if not settings.llm_endpoint.base_url:
         return []
     url = upstream_url(settings.llm_endpoint.base_url, "/v1/models")
-    headers = request_headers(request.headers, settings.upstream_api_key)
+    headers = request_headers(
+        request.headers, settings.upstream_api_key, keep_client_key=not settings.proxy.api_keys
+    )
     timeout = aiohttp.ClientTimeout(total=settings.proxy.models_timeout_s)
     try:
         async with request.app[HTTP_CLIENT].get(url, headers=headers, timeout=timeout) as resp:

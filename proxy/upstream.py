@@ -62,8 +62,14 @@ def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
     return {t.strip().lower() for t in headers.get("Connection", "").split(",") if t.strip()}
 
 
-def request_headers(client_headers: Mapping[str, str], upstream_key: str | None) -> CIMultiDict[str]:
+def request_headers(
+    client_headers: Mapping[str, str], upstream_key: str | None, *, keep_client_key: bool = True
+) -> CIMultiDict[str]:
+    """The client's headers for the upstream. The upstream key, when configured, replaces the client's;
+    a key that only authenticates the client to this proxy (`keep_client_key=False`) never leaves it."""
     drop = _DROP_REQUEST | _connection_tokens(client_headers)
+    if not keep_client_key:
+        drop = drop | {"authorization"}
     out: CIMultiDict[str] = CIMultiDict((k, v) for k, v in client_headers.items() if k.lower() not in drop)
     if upstream_key:
         out["Authorization"] = f"Bearer {upstream_key}"
@@ -126,7 +132,9 @@ async def forward_chat(
     http: aiohttp.ClientSession,
 ) -> web.StreamResponse:
     url = upstream_yarl(settings.llm_endpoint.base_url, request.raw_path)
-    headers = request_headers(request.headers, settings.upstream_api_key)
+    headers = request_headers(
+        request.headers, settings.upstream_api_key, keep_client_key=not settings.proxy.api_keys
+    )
     headers.setdefault("Content-Type", "application/json")
 
     def tagged(ttft_ms: float) -> dict[str, str]:

@@ -65,6 +65,8 @@ def test_client_auth(fake_upstream, start_proxy, make_settings):
     assert_error(http_request("POST", server.url + URL, OK, {"Authorization": "Bearer bad"}), 401)
     assert_error(http_request("GET", server.url + "/v1/models", None, {"Authorization": "Bearer bad"}), 401)
     assert http_request("POST", server.url + URL, OK, {"Authorization": "Bearer good-key"}).status == 200
+    # The proxy's own key authenticates the client here; it is never passed on to the upstream.
+    assert "Authorization" not in fake_upstream.requests[-1].headers
     assert http_request("GET", server.url + "/healthz").status == 200
 
 
