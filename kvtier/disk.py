@@ -1,7 +1,9 @@
 """L2 files: one safetensors file per chunk, written atomically, validated before anything is served.
 
 File: `<root>/<key[:2]>/<key>.safetensors`, tensors `k.{layer}` / `v.{layer}` each [heads, n, head_dim]
-(per layer, so a reader can hand out layer 0 while later layers still load), string metadata naming the
+(per layer, so a reader can hand out layer 0 while later layers still load), stored back to back in the
+order k.0, v.0, k.1, ... (the bytes of a ChunkKV buffer, written with one writev; any safetensors reader
+reads the file, and files written by safetensors' own save_file read back too), string metadata naming the
 format version, model fingerprint, layout, namespace, parent key, token ids, session and checksums
 (one xxh3 per token-id list, one per layer's K+V bytes), so a bit-flip reads as a miss, never as KV.
 """
@@ -13,16 +15,17 @@ import dataclasses
 import json
 import logging
 import os
+import struct
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import xxhash
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .keys import FORMAT_VERSION, chunk_key, tokens_bytes
 from .layout import KVLayout
@@ -70,10 +73,16 @@ def tokens_checksum(token_ids: tuple[int, ...]) -> str:
 
 
 def layer_checksum(k: torch.Tensor, v: torch.Tensor) -> str:
+    """xxh3 of layer's K bytes then V bytes (each in [heads, n, head_dim] order)."""
     h = xxhash.xxh3_64()
     for t in (k, v):
         h.update(t.detach().contiguous().view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+def _byte_rows(buf: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a numpy uint8 array (no copy), first dimension kept; any dtype (bf16 too)."""
+    return buf.view(torch.uint8).numpy().reshape(buf.shape[0], -1)
 
 
 def _fsync_path(path: Path, directory: bool = False) -> None:
@@ -84,20 +93,52 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def write_chunk(
-    root: Path, meta: ChunkMeta, data: ChunkKV, model_fingerprint: str, layout: KVLayout
-) -> ChunkMeta:
-    """Write atomically (temp file in the same folder, fsync, rename, fsync folder).
+def _write_all(fd: int, parts: list) -> None:
+    """Write every byte of `parts` (bytes-like objects) to fd; writev may write less than asked."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
 
-    Returns the metadata with the layer checksums filled in, which later reads verify against.
-    """
+
+def _safetensors_header(metadata: dict[str, str], layout: KVLayout, n_tokens: int) -> bytes:
+    """The safetensors header (length prefix + JSON, padded to 8 bytes) for tensors k.0, v.0, k.1, ...
+    laid out back to back exactly as in a ChunkKV buffer; any safetensors reader reads the file."""
+    shape = [layout.num_kv_heads, n_tokens, layout.head_dim]
+    size = layout.num_kv_heads * n_tokens * layout.head_dim * layout.itemsize
+    dtype = _safetensors_dtype(layout)
+    header: dict[str, object] = {"__metadata__": metadata}
+    off = 0
+    for i in range(layout.num_layers):
+        for kv in ("k", "v"):
+            header[f"{kv}.{i}"] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + size]}
+            off += size
+    js = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    js += b" " * (-len(js) % 8)
+    return struct.pack("<Q", len(js)) + js
+
+
+@dataclass
+class PendingWrite:
+    """A chunk written to its temp file, not yet fsynced nor renamed (see write_chunks)."""
+
+    meta: ChunkMeta
+    tmp: Path
+    path: Path
+    fd: int
+
+
+def _start_write(
+    root: Path, meta: ChunkMeta, data: ChunkKV, model_fingerprint: str, layout: KVLayout
+) -> PendingWrite:
+    """Checksum the chunk's layers and write header + buffer to a fresh temp file (not fsynced yet)."""
     host = data.to(torch.device("cpu"))
-    tensors: dict[str, torch.Tensor] = {}
-    checksums = []
-    for i, (k, v) in enumerate(zip(host.k, host.v, strict=True)):
-        tensors[f"k.{i}"] = k.contiguous()
-        tensors[f"v.{i}"] = v.contiguous()
-        checksums.append(layer_checksum(k, v))
+    rows = _byte_rows(host.buf)  # layer i's K then V bytes are row i: its checksum is one pass
+    checksums = [xxhash.xxh3_64_hexdigest(rows[i]) for i in range(rows.shape[0])]
     metadata = {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
@@ -114,19 +155,89 @@ def write_chunk(
         "layer_checksums": json.dumps(checksums),
         "session": meta.session or "",
     }
+    header = _safetensors_header(metadata, layout, meta.n_tokens)
     path = chunk_path(root, meta.key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{meta.key}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        _fsync_path(tmp)
-        os.replace(tmp, path)
+        _write_all(fd, [header, rows])
     except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        _abort(fd, tmp)
         raise
-    _fsync_path(path.parent, directory=True)
-    return dataclasses.replace(meta, layer_checksums=tuple(checksums))
+    return PendingWrite(dataclasses.replace(meta, layer_checksums=tuple(checksums)), tmp, path, fd)
+
+
+def _abort(fd: int, tmp: Path) -> None:
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    with contextlib.suppress(OSError):
+        tmp.unlink()
+
+
+def write_chunks(
+    root: Path,
+    items: list[tuple[ChunkMeta, ChunkKV]],
+    model_fingerprint: str,
+    layout: KVLayout,
+) -> list[ChunkMeta | OSError]:
+    """Write several chunks atomically: each to a temp file in its folder, then fsync each, rename each,
+    and fsync each folder touched once. Every file is durable under its final name before this returns.
+
+    All files are written before the first fsync so the disk sees one stream of writes instead of one
+    small flush per chunk, and a folder shared by several chunks is fsynced once. Per chunk: its
+    metadata with layer checksums filled in, or the OSError that stopped it (others still go on).
+    """
+    results: list[ChunkMeta | OSError | None] = [None] * len(items)
+    started: list[tuple[int, PendingWrite]] = []
+    try:
+        for j, (meta, data) in enumerate(items):
+            try:
+                started.append((j, _start_write(root, meta, data, model_fingerprint, layout)))
+            except OSError as e:
+                results[j] = e
+        folders: set[Path] = set()
+        while started:
+            j, w = started[0]
+            try:
+                os.fsync(w.fd)
+                os.close(w.fd)
+                w.fd = -1
+                os.replace(w.tmp, w.path)
+            except OSError as e:
+                _abort(w.fd, w.tmp)
+                results[j] = e
+            else:
+                results[j] = w.meta
+                folders.add(w.path.parent)
+            started.pop(0)
+    except BaseException:
+        for _, w in started:
+            _abort(w.fd, w.tmp)
+        raise
+    for folder in sorted(folders):
+        try:
+            _fsync_path(folder, directory=True)
+        except OSError as e:  # the rename may not be durable: report every chunk in that folder
+            for j, r in enumerate(results):
+                if isinstance(r, ChunkMeta) and chunk_path(root, r.key).parent == folder:
+                    results[j] = e
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+def write_chunk(
+    root: Path, meta: ChunkMeta, data: ChunkKV, model_fingerprint: str, layout: KVLayout
+) -> ChunkMeta:
+    """Write one chunk atomically (temp file in the same folder, fsync, rename, fsync folder).
+
+    Returns the metadata with the layer checksums filled in, which later reads verify against.
+    """
+    (result,) = write_chunks(root, [(meta, data)], model_fingerprint, layout)
+    if isinstance(result, OSError):
+        raise result
+    return result
 
 
 def read_header(path: Path, model_fingerprint: str, layout: KVLayout) -> ChunkMeta:
@@ -172,38 +283,101 @@ def _safetensors_dtype(layout: KVLayout) -> str:
 
 
 class ChunkReader:
-    """Reads one chunk file layer by layer, verifying each layer's checksum before handing it out."""
+    """Reads one chunk file layer by layer with pread straight into the caller's buffers, and verifies
+    each layer's checksum on those bytes (still in cache) before the caller may hand them out."""
 
-    def __init__(self, path: Path, meta: ChunkMeta) -> None:
+    def __init__(self, path: Path, meta: ChunkMeta, layout: KVLayout) -> None:
         self._meta = meta
-        self._cm = safe_open(str(path), framework="pt", device="cpu")
+        self._layout = layout
         try:
-            self._f = self._cm.__enter__()
-        except Exception as e:
+            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise
+        except OSError as e:
             raise CorruptChunk(f"unreadable: {e}") from e
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            k = self._f.get_tensor(f"k.{i}")
-            v = self._f.get_tensor(f"v.{i}")
-        except Exception as e:
+            self._offsets = self._read_offsets()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _read_offsets(self) -> dict[str, int]:
+        """Absolute file offset of every tensor, after checking the header against the indexed metadata
+        (the file may have been replaced since it was indexed; the checksums still decide)."""
+        try:
+            size = os.fstat(self._fd).st_size
+            (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+            if n > min(size - 8, 100_000_000):
+                raise CorruptChunk("header length out of range")
+            header = json.loads(os.pread(self._fd, n, 8))
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raise CorruptChunk(f"unreadable header: {e}") from e
+        lay, tokens = self._layout, self._meta.n_tokens
+        want_shape = [lay.num_kv_heads, tokens, lay.head_dim]
+        nbytes = lay.num_kv_heads * tokens * lay.head_dim * lay.itemsize
+        offsets: dict[str, int] = {}
+        for i in range(lay.num_layers):
+            for kv in ("k", "v"):
+                t = header.get(f"{kv}.{i}") if isinstance(header, dict) else None
+                try:
+                    start, end = (int(x) for x in t["data_offsets"])
+                    ok = t["shape"] == want_shape and t["dtype"] == _safetensors_dtype(lay)
+                except (TypeError, KeyError, ValueError) as e:
+                    raise CorruptChunk(f"bad tensor entry {kv}.{i}") from e
+                if not ok or end - start != nbytes or start < 0 or 8 + n + end > size:
+                    raise CorruptChunk(f"tensor {kv}.{i} does not match the indexed chunk")
+                offsets[f"{kv}.{i}"] = 8 + n + start
+        return offsets
+
+    def _pread_into(self, dest: list[np.ndarray], offset: int) -> None:
+        views = [memoryview(d).cast("B") for d in dest]
+        while views:
+            n = os.preadv(self._fd, views, offset)
+            if n <= 0:
+                raise CorruptChunk("file shorter than its header says")
+            offset += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+
+    def read_layer_into(self, i: int, k_rows: list[np.ndarray], v_rows: list[np.ndarray]) -> None:
+        """Read layer i's K and V into the given destinations (each a list of contiguous uint8 arrays that
+        together hold the tensor's bytes in order, e.g. one per head), then verify the layer's checksum.
+        Raises CorruptChunk (the destinations then hold unverified bytes: do not use them)."""
+        try:
+            self._pread_into(k_rows, self._offsets[f"k.{i}"])
+            self._pread_into(v_rows, self._offsets[f"v.{i}"])
+        except OSError as e:
             raise CorruptChunk(f"layer {i} unreadable: {e}") from e
-        if layer_checksum(k, v) != self._meta.layer_checksums[i]:
+        h = xxhash.xxh3_64()
+        for r in k_rows:
+            h.update(r)
+        for r in v_rows:
+            h.update(r)
+        if h.hexdigest() != self._meta.layer_checksums[i]:
             raise CorruptChunk(f"layer {i} fails its checksum")
-        return k, v
+
+    def read_chunk_layer(self, i: int, chunk: ChunkKV) -> None:
+        """Read layer i into a ChunkKV host buffer, verified."""
+        rows = chunk.buf[i].view(torch.uint8).numpy().reshape(2, -1)
+        self.read_layer_into(i, [rows[0]], [rows[1]])
 
     def close(self) -> None:
-        self._cm.__exit__(None, None, None)
+        os.close(self._fd)
 
 
-def read_chunk(path: Path, meta: ChunkMeta, num_layers: int) -> ChunkKV:
-    """All layers of a chunk, verified."""
-    reader = ChunkReader(path, meta)
+def read_chunk(path: Path, meta: ChunkMeta, layout: KVLayout) -> ChunkKV:
+    """All layers of a chunk, verified, in a new host ChunkKV."""
+    chunk = ChunkKV.empty(layout, meta.n_tokens, torch.device("cpu"))
+    reader = ChunkReader(path, meta, layout)
     try:
-        pairs = [reader.layer(i) for i in range(num_layers)]
+        for i in range(layout.num_layers):
+            reader.read_chunk_layer(i, chunk)
     finally:
         reader.close()
-    return ChunkKV([k for k, _ in pairs], [v for _, v in pairs])
+    return chunk
 
 
 def quarantine(root: Path, path: Path, reason: str) -> None:

@@ -8,11 +8,12 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .disk import ChunkMeta, ChunkReader
 from .layout import KVLayout
-from .tiers import ChunkKV
+from .tiers import ChunkKV, host_bytes
 
 
 class KVLoadError(Exception):
@@ -28,6 +29,7 @@ class PlanItem:
     mem: ChunkKV | None = None
     path: Path | None = None
     meta: ChunkMeta | None = None
+    buf: ChunkKV | None = None  # host buffer for a disk chunk (to promote, to move to a device, or partial)
 
 
 class LoadFailure(Exception):
@@ -98,7 +100,9 @@ class RestoredKV:
 
 
 def run_load(plan: list[PlanItem], restored: RestoredKV, layout: KVLayout, device: torch.device) -> dict:
-    """Fill `restored` layer by layer. Returns {key: ChunkKV} of the chunks read from disk (to promote).
+    """Fill `restored` layer by layer. Returns {key: ChunkKV} of the chunks read from disk into host
+    buffers (to promote). A disk chunk without a buffer (`buf`) is read straight into the output and
+    checksummed there, before that layer is handed out.
 
     Raises LoadFailure naming the first chunk that could not be read.
     """
@@ -109,27 +113,41 @@ def run_load(plan: list[PlanItem], restored: RestoredKV, layout: KVLayout, devic
             if item.mem is None:
                 assert item.path is not None and item.meta is not None
                 try:
-                    readers[item.key] = ChunkReader(item.path, item.meta)
+                    readers[item.key] = ChunkReader(item.path, item.meta, layout)
                 except Exception as e:
                     raise LoadFailure(item, e) from e
-                from_disk[item.key] = ChunkKV([], [])
+                if item.buf is not None:
+                    from_disk[item.key] = item.buf
+        srcs = [(item.mem or item.buf) for item in plan]
+        src_bytes = [c.host_bytes() if c is not None else None for c in srcs]
         for i in range(layout.num_layers):
-            parts_k, parts_v = [], []
-            for item in plan:
-                if item.mem is not None:
-                    k, v = item.mem.k[i], item.mem.v[i]
-                else:
+            out_k, out_v = restored._out[i]
+            ok, ov = host_bytes(out_k[0]), host_bytes(out_v[0])
+            pos = 0
+            for item, src, sb in zip(plan, srcs, src_bytes, strict=True):
+                n = item.n_tokens
+                if item.mem is None:
+                    reader = readers[item.key]
                     try:
-                        k, v = readers[item.key].layer(i)
+                        if item.buf is not None:
+                            reader.read_chunk_layer(i, item.buf)
+                        else:  # whole chunk used, host output: read it in place, verify it there
+                            assert ok is not None and ov is not None
+                            reader.read_layer_into(
+                                i,
+                                [ok[h, pos : pos + n] for h in range(ok.shape[0])],
+                                [ov[h, pos : pos + n] for h in range(ov.shape[0])],
+                            )
                     except Exception as e:
                         raise LoadFailure(item, e) from e
-                    from_disk[item.key].k.append(k)
-                    from_disk[item.key].v.append(v)
-                parts_k.append(k[:, : item.n_tokens].to(device, non_blocking=True))
-                parts_v.append(v[:, : item.n_tokens].to(device, non_blocking=True))
-            out_k, out_v = restored._out[i]
-            torch.cat(parts_k, dim=1, out=out_k[0])
-            torch.cat(parts_v, dim=1, out=out_v[0])
+                if src is not None:
+                    if sb is not None and ok is not None and ov is not None:
+                        np.copyto(ok[:, pos : pos + n], sb[i, 0, :, :n])
+                        np.copyto(ov[:, pos : pos + n], sb[i, 1, :, :n])
+                    else:
+                        out_k[0, :, pos : pos + n].copy_(src.buf[i, 0, :, :n], non_blocking=True)
+                        out_v[0, :, pos : pos + n].copy_(src.buf[i, 1, :, :n], non_blocking=True)
+                pos += n
             restored._set(i, out_k, out_v)
     finally:
         for r in readers.values():

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .config import ChunkRef, PrefixMatch, StoreConfig
@@ -29,6 +30,7 @@ from .disk import (
     read_header,
     scan,
     write_chunk,
+    write_chunks,
 )
 from .index import Entry, PrefixIndex, Step, longest_prefix
 from .keys import chain, chunk_spans, root_key
@@ -36,7 +38,7 @@ from .layout import KVLayout, normalize_layers
 from .loader import KVLoadError, LoadFailure, PlanItem, RestoredKV, run_load
 from .saver import SavePool
 from .stats import Counters, StoreStats, TierStats
-from .tiers import TIERS, ChunkKV, TierBudget
+from .tiers import TIERS, ChunkKV, TierBudget, host_bytes
 
 log = logging.getLogger(__name__)
 
@@ -313,11 +315,23 @@ class KVStore:
                 if mem is not None:
                     plan.append(PlanItem(c.key, c.n_tokens, mem=mem))
                 else:
-                    plan.append(PlanItem(c.key, c.n_tokens, path=chunk_path(self._root, c.key), meta=e.meta))
+                    path = chunk_path(self._root, c.key)
+                    plan.append(
+                        PlanItem(c.key, c.n_tokens, path=path, meta=e.meta, buf=self._disk_buffer(e, c))
+                    )
         threading.Thread(
             target=self._run_load, args=(plan, restored, pinned), name="kvtier-load", daemon=True
         ).start()
         return restored
+
+    def _disk_buffer(self, e: Entry, c: ChunkRef) -> ChunkKV | None:
+        """A host buffer to read an L2 chunk into, allocated here in the caller's thread (see RestoredKV),
+        or None when the loader can read it straight into the output: host output, whole chunk used,
+        and no memory tier that could take the chunk afterwards (promotion needs a copy of its own)."""
+        promotable = any(self._budgets[t].capacity >= e.nbytes for t in MEM_TIERS)
+        if self.device.type == "cpu" and c.n_tokens == e.n_tokens and not promotable:
+            return None
+        return ChunkKV.empty(self.layout, e.n_tokens, self._host, pin=self._pin_host)
 
     def _unpin_locked(self, pinned: list[Entry]) -> None:
         for e in pinned:
@@ -382,7 +396,7 @@ class KVStore:
                     e.pins += 1
                     meta = e.meta
                 try:
-                    data = read_chunk(chunk_path(self._root, c.key), meta, self.layout.num_layers)
+                    data = read_chunk(chunk_path(self._root, c.key), meta, self.layout)
                 except (CorruptChunk, OSError) as err:
                     self._unpin([e])
                     self._on_bad_chunk(c.key, err)
@@ -422,7 +436,7 @@ class KVStore:
             ]
         if not todo:
             return result
-        copies = {i: self._copy_chunk(pairs, *spans[i]) for i in todo}
+        copies = self._copy_chunks(pairs, {i: spans[i] for i in todo})
         jobs: list[Entry] = []
         deletes: list[Path] = []
         with self._lock:
@@ -443,11 +457,11 @@ class KVStore:
                 if not entry.usable:  # fits nowhere (everything pinned, or tiers disabled)
                     self._index.remove(entry.key)
         self._unlink(deletes)
-        for entry in jobs:
-            if self._saver is not None:
+        if self._saver is not None:
+            for entry in jobs:
                 self._saver.submit(entry)  # blocks when the queue is full: back-pressure
-            else:
-                self._save_entry(entry)
+        elif jobs:
+            self._save_entries(jobs)
         return result
 
     def _have(
@@ -471,12 +485,23 @@ class KVStore:
                     return True
         return False
 
-    def _copy_chunk(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], s: int, e: int) -> ChunkKV:
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            out = torch.empty((t.shape[0], e - s, t.shape[2]), dtype=t.dtype, device=self.device)
-            return out.copy_(t[:, s:e])
-
-        return ChunkKV([copy(k) for k, _ in pairs], [copy(v) for _, v in pairs])
+    def _copy_chunks(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], spans: dict[int, tuple[int, int]]
+    ) -> dict[int, ChunkKV]:
+        """One allocation per chunk, then every layer's K and V slice copied in, layer by layer (each
+        source tensor is read once, front to back)."""
+        chunks = {i: ChunkKV.empty(self.layout, e - s, self.device) for i, (s, e) in spans.items()}
+        dst_bytes = {i: c.host_bytes() for i, c in chunks.items()}
+        for li, (k, v) in enumerate(pairs):
+            for kv, src in enumerate((k, v)):
+                src_bytes = host_bytes(src)
+                for i, (s, e) in spans.items():
+                    dst = dst_bytes[i]
+                    if src_bytes is not None and dst is not None:
+                        np.copyto(dst[li, kv], src_bytes[:, s:e])
+                    else:
+                        chunks[i].buf[li, kv].copy_(src[:, s:e])
+        return chunks
 
     def _drop_superseded(self, entry: Entry, deletes: list[Path]) -> None:
         """A partial sibling whose tokens are a strict prefix of the new chunk's is now redundant."""
@@ -503,6 +528,33 @@ class KVStore:
                     self._save_failed(e)
         finally:
             self._save_done(entry, written)
+
+    def _save_entries(self, entries: list[Entry]) -> None:
+        """Write several chunks' L2 files in one batch (put() itself when async_save is False): every file
+        is written before the first fsync, and each folder is fsynced once."""
+        results: list[ChunkMeta | None] = [None] * len(entries)
+        try:
+            items: list[tuple[int, ChunkMeta, ChunkKV]] = []
+            with self._lock:
+                enabled = self._saving_enabled
+                for j, entry in enumerate(entries):
+                    if entry.pending is not None and enabled and not entry.removed:
+                        meta = ChunkMeta(
+                            entry.key, entry.namespace, entry.parent, entry.token_ids, entry.session, ()
+                        )
+                        items.append((j, meta, entry.pending))
+            if items:
+                written = write_chunks(
+                    self._root, [(m, d) for _, m, d in items], self.model_fingerprint, self.layout
+                )
+                for (j, _, _), w in zip(items, written, strict=True):
+                    if isinstance(w, OSError):
+                        self._save_failed(w)
+                    else:
+                        results[j] = w
+        finally:
+            for entry, w in zip(entries, results, strict=True):
+                self._save_done(entry, w)
 
     def _save_failed(self, e: OSError) -> None:
         with self._lock:

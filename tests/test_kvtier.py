@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvtier.disk as disk_mod
 import kvtier.store as store_mod
 from kvtier import KVLayout, KVLoadError, KVStore, StoreConfig
 from kvtier.disk import QUARANTINE, chunk_path
@@ -303,20 +304,16 @@ def test_foreign_model_files_are_left_alone(tmp_path):
 
 
 def test_crash_mid_write_leaves_nothing_readable(tmp_path, monkeypatch):
-    def crash(*a, **kw):
-        raise KeyboardInterrupt  # dies inside save_file, after the temp file was created
-
     s = make(tmp_path)
-    real = store_mod.write_chunk.__globals__["save_file"]
 
-    def partial_save(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"partial")
-        crash()
+    def partial_write(fd, parts):
+        os.write(fd, b"partial")
+        raise KeyboardInterrupt  # dies mid-write, after the temp file was created
 
-    monkeypatch.setitem(store_mod.write_chunk.__globals__, "save_file", partial_save)
+    monkeypatch.setattr(disk_mod, "_write_all", partial_write)
     with pytest.raises(KeyboardInterrupt):
-        s.put("t", toks(4), kv(4))
-    monkeypatch.setitem(store_mod.write_chunk.__globals__, "save_file", real)
+        s.put("t", toks(12), kv(12))  # three chunks in one batch: none may be left behind
+    monkeypatch.undo()
     assert files(tmp_path) == []
     # a leftover temp file from a hard crash is never indexed
     d = tmp_path / "l2" / "ab"
@@ -429,3 +426,87 @@ def test_concurrent_put_and_get(tmp_path):
     s.flush()
     assert s.forget_session("ns0", "s0") > 0
     s.close()
+
+
+# ---- L2 file format and read paths -----------------------------------------------------------------
+
+
+def test_l2_file_is_plain_safetensors_both_ways(tmp_path):
+    """Our hand-built files read with safetensors' load_file; files written by save_file (its own tensor
+    order, k.* before v.*) read back through the store, bit-exact."""
+    from safetensors.torch import load_file
+
+    layers = kv(4)
+    f = _one_file(tmp_path)
+    loaded = load_file(str(f))
+    assert set(loaded) == {f"{kv}.{i}" for i in range(LAYOUT.num_layers) for kv in "kv"}
+    for i, (k, v) in enumerate(layers):
+        assert torch.equal(loaded[f"k.{i}"], k[0]) and torch.equal(loaded[f"v.{i}"], v[0])
+    _rewrite_metadata(f)  # same tensors and metadata, safetensors' own layout
+    s = make(tmp_path, 0, 0, 100 * CB)
+    m = s.lookup("t", toks(4))
+    assert m.tokens == 4 and m.tier == "l2"
+    assert_restored(s, m, layers, 4)
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["direct", "promote", "partial"],  # read into the output / into a host buffer then L1 / part of a chunk
+)
+def test_l2_read_paths_are_exact_and_verified(tmp_path, path):
+    layers = kv(10)
+    s = make(tmp_path, 0, 0, 100 * CB)
+    s.put("t", toks(10), layers)
+    s.close()
+    l1 = 100 * CB if path == "promote" else 0
+    s = make(tmp_path, 0, l1, 100 * CB)
+    n = 9 if path == "partial" else 10
+    m = s.lookup("t", toks(n) + ([777] if path == "partial" else []))
+    assert m.tokens == n and m.tier == "l2"
+    assert_restored(s, m, layers, n)
+    if path == "promote":
+        assert s.lookup("t", toks(10)).tier == "l1"
+        assert_restored(s, s.lookup("t", toks(10)), layers, 10)
+
+
+@pytest.mark.parametrize("path", ["direct", "promote"])
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_bit_flip_fails_the_load_on_every_read_path(tmp_path, path, where):
+    f = _one_file(tmp_path)
+    data = bytearray(f.read_bytes())
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    data[header_end + 5 if where == "first" else -10] ^= 0x10
+    f.write_bytes(bytes(data))
+    s = make(tmp_path, 0, 100 * CB if path == "promote" else 0, 100 * CB)
+    m = s.lookup("t", toks(4))
+    assert m.tokens == 4 and m.tier == "l2"
+    r = s.load(m)
+    with pytest.raises(KVLoadError):
+        r.wait()
+    with pytest.raises(KVLoadError):
+        r.layer(0 if where == "first" else LAYOUT.num_layers - 1)
+    assert s.lookup("t", toks(4)).tokens == 0 and len(quarantined(tmp_path)) == 1
+
+
+def test_sync_put_writes_a_batch_durably_and_reports_each_failure(tmp_path, monkeypatch):
+    """A synchronous put writes every chunk before fsyncing; one chunk's failed rename costs that chunk's
+    L2 copy only, and leaves no temp file."""
+    real_replace = os.replace
+    calls = []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "injected")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    s = make(tmp_path, 0, 0, 100 * CB)
+    layers = kv(12)
+    s.put("t", toks(12), layers)
+    monkeypatch.undo()
+    st = s.stats()
+    assert st.save_errors == 1 and st.tiers["l2"].entries == 2 and len(files(tmp_path)) == 2
+    assert not list((tmp_path / "l2").rglob("*.tmp"))
+    assert s.lookup("t", toks(12)).tokens == 4  # chunk 1 is missing, so the prefix stops after chunk 0
+    assert_restored(s, s.lookup("t", toks(4)), layers, 4)
