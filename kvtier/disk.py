@@ -11,14 +11,16 @@ format version, model fingerprint, layout, namespace, parent key, token ids, ses
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import logging
 import os
 import struct
+import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,10 +164,30 @@ def _start_write(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         _write_all(fd, [header, rows])
+        if _start_writeback is not None:  # the disk starts on this chunk while we prepare the next
+            _start_writeback(fd)
     except BaseException:
         _abort(fd, tmp)
         raise
     return PendingWrite(dataclasses.replace(meta, layer_checksums=tuple(checksums)), tmp, path, fd)
+
+
+def _libc_sync_file_range() -> Callable[[int], object] | None:
+    """Linux sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE): start writing a file's dirty pages back
+    now, without waiting. Only a head start for the fsync that follows (which alone gives durability)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return lambda fd: fn(fd, 0, 0, 2)  # a failure only loses the head start
+
+
+_start_writeback = _libc_sync_file_range()
 
 
 def _abort(fd: int, tmp: Path) -> None:
