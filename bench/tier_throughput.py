@@ -7,8 +7,10 @@ SmolLM2-135M-sized KV (30 layers, 3 KV heads, head_dim 64, float32), chunks of 2
   competes), vs. raw = cloning every layer's K and V (what put must do: copy what it keeps).
 - get L0 / L1: lookup + load + wait (every layer assembled into [1, heads, T, head_dim]), vs. the same
   raw clone.
-- put L2: synchronous put (async_save=False: checksums, one file per chunk, temp + fsync + rename),
-  vs. raw safetensors save_file of the whole KV in one file, with and without fsync.
+- put L2: synchronous put (async_save=False: checksums, one file per chunk, temp + fsync + rename +
+  folder fsync), vs. raw safetensors save_file of the whole KV in one file, with and without fsync; and,
+  as a second, separately labelled baseline, save_file + fsync of one file per 256-token chunk (the
+  same bytes in the same number of files and fsyncs as the store; chunk tensors sliced before timing).
 - get L2: lookup + layer-wise load + per-layer checksum verification, vs. raw load_file + materializing
   every tensor (load_file maps the file lazily; the store must hand out private tensors).
 Repetitions are interleaved (each rep runs every variant once) and medians are reported.
@@ -98,8 +100,25 @@ def run_rep(stores: dict[str, KVStore], root: Path, n: int, rep: int, out: dict[
     out["raw save_file+fsync"].append(timed(lambda: (save_file(tensors, str(raw)), fsync_file(raw))))
     out["raw load_file"].append(timed(lambda: [t.clone() for t in load_file(str(raw)).values()]))
     raw.unlink()
+    chunk_files = [
+        (
+            root / f"raw{rep}-{s}.safetensors",
+            {name: t[:, s : s + CHUNK].contiguous() for name, t in tensors.items()},
+        )
+        for s in range(0, n, CHUNK)
+    ]
+
+    def raw_per_chunk() -> None:
+        for path, chunk in chunk_files:
+            save_file(chunk, str(path))
+            fsync_file(path)
+
+    out[PER_CHUNK].append(timed(raw_per_chunk))
+    for path, _ in chunk_files:
+        path.unlink()
 
 
+PER_CHUNK = f"raw save_file+fsync per {CHUNK}-token file"
 ROWS = [
     ("L0 put", "put l0", "raw copy"),
     ("L0 get", "get l0", "raw copy"),
@@ -107,6 +126,7 @@ ROWS = [
     ("L1 get", "get l1", "raw copy"),
     ("L2 put", "put l2", "raw save_file+fsync"),
     ("L2 put (vs no fsync)", "put l2", "raw save_file"),
+    ("L2 put (vs per-chunk files)", "put l2", PER_CHUNK),
     ("L2 get", "get l2", "raw load_file"),
 ]
 
