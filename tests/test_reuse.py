@@ -190,3 +190,45 @@ def test_stats_and_metrics_report_the_store(local_proxy):
     assert 'attnstore_chat_requests_total{cache="l0_hit",route="local"} 1.0' in text
     assert 'attnstore_ttft_seconds_count{cache="miss"} 1.0' in text
     assert "attnstore_tier_used_bytes" in text and "attnstore_reused_tokens_total" in text
+
+
+def sharegpt_conversations(count: int, min_turns: int):
+    """The first `count` complete ShareGPT conversations with `min_turns` user turns (read lazily)."""
+    from bench.sharegpt import default_path, iter_json_array, to_conversation
+
+    found = []
+    for obj in iter_json_array(default_path()):
+        conv = to_conversation(obj)
+        if conv is not None and conv.turns >= min_turns:
+            found.append(conv)
+            if len(found) == count:
+                return found
+    raise AssertionError("not enough ShareGPT conversations")
+
+
+def test_sharegpt_turns_reuse_nearly_everything_and_answer_like_recompute(local_proxy, smollm):
+    """Real conversations: the client resends the answer as text, the template re-tokenizes it, and the
+    stored KV must still cover (almost) all of the previous prompt + answer, with identical answers."""
+    from bench.sharegpt import cap_text
+
+    reuse = local_proxy()
+    recompute = local_proxy(attention_store={"enabled": False})
+    ratios, reused_vs_prompt = [], []
+    for n, conv in enumerate(sharegpt_conversations(2, 3)):
+        history: list[dict] = []
+        previous: tuple[int, int] | None = None
+        for text in conv.user_messages[:3]:
+            history.append({"role": "user", "content": cap_text(smollm.tokenizer, text, 48)})
+            answer, headers, usage = chat(reuse, history, session=f"sharegpt-{n}")
+            expected, _, _ = chat(recompute, history, session=f"sharegpt-{n}")
+            assert answer == expected
+            reused = int(headers["X-AttentionStore-Reused-Tokens"])
+            if previous:
+                ratios.append(reused / (previous[0] + previous[1]))
+                reused_vs_prompt.append(reused - previous[0])
+            previous = (usage.prompt_tokens, usage.completion_tokens)
+            history.append({"role": "assistant", "content": answer})
+    # The whole previous prompt is always reused; of the answer, everything up to the first token the
+    # template re-tokenizes differently (the model may emit "Bre"+"ndon" where BPE gives "B"+"rend"+"on").
+    assert len(ratios) == 4 and min(reused_vs_prompt) >= 0, (ratios, reused_vs_prompt)
+    assert sum(ratios) / len(ratios) >= 0.9, ratios
