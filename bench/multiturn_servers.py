@@ -10,8 +10,6 @@ unless one is given, port 0) and the runner takes every concurrent session at on
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +19,7 @@ import msgspec
 import orjson
 
 from proxy.settings import Settings, parse_settings
-
-try:  # the lead is moving the threaded server out of tests/; take whichever exists
-    from proxy.threaded_server import AppServer  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover - depends on the tree's state
-    if not importlib.util.find_spec("tests"):  # `attnstore` run from elsewhere: the checkout's tests/
-        sys.path.append(str(Path(__file__).resolve().parent.parent))
-    from tests.servers import AppServer
+from proxy.threaded_server import AppServer
 
 # A 256-token chunk of SmolLM2's float32 KV is ~11.8 MB: these hold two and four chunks, so a
 # 2,000-token history spills to L2 and later turns read from all three tiers.

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .engine import JobState
-from .jobs import Failed, Job
+from .jobs import Failed, Finished, Job
 
 log = logging.getLogger("attnstore.runner")
 
@@ -31,7 +31,9 @@ class Worker:
         max_queue: int,
         max_running: int,
         lookahead: int,
+        warmup: Callable[[], None] | None = None,
     ):
+        self._warmup = warmup
         self._start_job = start_job
         self._prefetch = prefetch
         self._max_queue = max_queue
@@ -75,6 +77,11 @@ class Worker:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        if self._warmup is not None:
+            try:
+                self._warmup()
+            except Exception:  # a slower first request is all a failed warm-up costs
+                log.warning("warm-up failed", exc_info=True)
         while True:
             with self._cond:
                 while not self._stopping and not self._pending and not self._running:
@@ -101,8 +108,9 @@ class Worker:
         self._fail_all("the local runner stopped")
 
     def _admit(self, job: Job) -> None:
-        if job.cancelled:
-            job.emit(Failed("cancelled before it started"))
+        if job.cancelled:  # its client left while it waited: end it like a cancelled running job
+            job.emit(Finished("cancelled", len(job.request.prompt_ids), 0, 0))
+            self.cancelled += 1
             return
         try:
             self._running.append(self._start_job(job))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -107,17 +106,17 @@ async def test_cancel_stops_a_running_job(runner):
 async def test_queue_full_raises(smollm):
     runner = Runner({MODEL: smollm}, max_queue=1, max_running=1)
     try:
-        ids = runner.render(MODEL, COLORS)
-        jobs = [runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=50, temperature=0)))]
-        deadline = time.monotonic() + 30
-        while runner.running == 0 and time.monotonic() < deadline:  # the first one is running
-            await asyncio.sleep(0.01)
+        ids = runner.render(MODEL, [{"role": "user", "content": "Count from one to one thousand."}])
+        jobs = [runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=400, temperature=0)))]
+        assert isinstance(await anext(jobs[0].events()), FirstToken)  # the first one is running
         jobs.append(runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=5))))  # waits
         with pytest.raises(QueueFull):
             runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=5)))
-        for job in jobs:
+        for job in jobs:  # one running, one waiting: both end as cancelled, neither as a failure
             job.cancel()
-            assert not any(isinstance(e, Failed) for e in [e async for e in job.events()])
+            events = [e async for e in job.events()]
+            assert isinstance(events[-1], Finished) and events[-1].finish_reason == "cancelled"
+            assert not any(isinstance(e, Failed) for e in events)
     finally:
         runner.close()
 
