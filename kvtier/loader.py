@@ -42,8 +42,13 @@ class LoadFailure(Exception):
 class RestoredKV:
     """The handle load() returns; layer(i) blocks until layer i is ready."""
 
-    def __init__(self, num_tokens: int, layout: KVLayout, device: torch.device) -> None:
+    def __init__(
+        self, num_tokens: int, layout: KVLayout, device: torch.device, capacity: int | None = None
+    ) -> None:
         self.num_tokens = num_tokens
+        # Room for tokens the caller will append (its prompt's rest and answer): the caller can then
+        # adopt the buffers as its cache instead of allocating its own and copying the restored KV.
+        self.capacity = max(num_tokens, capacity or 0)
         self._layout = layout
         self._device = device
         n = layout.num_layers
@@ -54,7 +59,7 @@ class RestoredKV:
         self._settled = threading.Event()  # set once the store's bookkeeping (promotion, unpinning) is done
         # Outputs are allocated here, in the caller's thread: memory from a worker thread's malloc arena is
         # returned to the OS after each load and page-faulted in again (measured ~10x slower on CPU).
-        shape = (1, layout.num_kv_heads, num_tokens, layout.head_dim)
+        shape = (1, layout.num_kv_heads, self.capacity, layout.head_dim)
         self._out = [
             (
                 torch.empty(shape, dtype=layout.dtype, device=device),
@@ -78,6 +83,13 @@ class RestoredKV:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer i, each [1, heads, num_tokens, head_dim]; raises KVLoadError on failure."""
+        k, v = self.buffers(i)
+        n = self.num_tokens
+        return k[:, :, :n], v[:, :, :n]
+
+    def buffers(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's whole output buffers, [1, heads, capacity, head_dim], the first num_tokens filled;
+        the caller may keep and write past them (they are its own once loaded)."""
         self._ready[i].wait()
         k, v = self._k[i], self._v[i]
         if k is None or v is None:

@@ -292,9 +292,10 @@ class KVStore:
 
     # ---- load and prefetch -------------------------------------------------------------------------
 
-    def load(self, match: PrefixMatch) -> RestoredKV:
-        """Start restoring the match's KV on a background thread; layer(i) of the result blocks per layer."""
-        restored = RestoredKV(match.tokens, self.layout, self.device)
+    def load(self, match: PrefixMatch, *, capacity: int | None = None) -> RestoredKV:
+        """Start restoring the match's KV on a background thread; layer(i) of the result blocks per layer.
+        `capacity`: tokens of room to allocate per layer (at least match.tokens), see RestoredKV."""
+        restored = RestoredKV(match.tokens, self.layout, self.device, capacity)
         if match.tokens == 0:
             return restored
         plan: list[PlanItem] = []

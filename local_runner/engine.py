@@ -75,7 +75,7 @@ class JobState:
             if match.tokens:
                 self._pins.enter_context(self.store.acquire(match))
                 self.match = match
-                restored = self.store.load(match)
+                restored = self.store.load(match, capacity=capacity)
                 self.cache = job_cache(self.lm.model.config, capacity, restored, match.tokens)
                 self.fed_ids = list(req.prompt_ids[: match.tokens])
                 self.reused = match.tokens

@@ -4,7 +4,8 @@ Why not a plain DynamicCache: its `update()` concatenates the whole history on e
 4k-token context that copies ~190 MB per token in float32). A job knows its final length up front
 (prompt + max_tokens), so each layer gets one buffer and `update()` writes into it.
 
-Restoring: the KV store's loader fills layers in order on a background thread. A layer that has not
+Restoring: the KV store's loader fills layers in order on a background thread, into buffers it sizes
+for the whole job, which the cache then adopts (no second allocation, no copy). A layer that has not
 arrived yet reports its length already (so masks and positions are right) and waits for its data in
 `update()`, which the model calls at that layer's attention: layer i+1 loads while layer i computes.
 """
@@ -21,7 +22,9 @@ from transformers.cache_utils import DynamicLayer
 class LayerSource(Protocol):
     """Where restored KV comes from (kvtier.RestoredKV): blocks until layer i is ready."""
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    capacity: int
+
+    def buffers(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -40,17 +43,17 @@ class PreallocatedLayer(DynamicLayer):
         return self._length
 
     def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.lazy_initialization(key_states, value_states)
+        if self._source is not None:
+            # The store restored into buffers sized for this job: they become the cache, no copy.
+            self._key_buf, self._value_buf = self._source.buffers(self._index)
+            self._capacity = self._key_buf.shape[-2]
+            self._source = None
+            return
         batch, heads, _, head_dim = key_states.shape
         shape = (batch, heads, self._capacity, head_dim)
         self._key_buf = torch.empty(shape, dtype=key_states.dtype, device=key_states.device)
         self._value_buf = torch.empty(shape, dtype=value_states.dtype, device=value_states.device)
-        self.lazy_initialization(key_states, value_states)
-        if self._source is not None:
-            keys, values = self._source.layer(self._index)
-            n = self._length
-            self._key_buf[:, :, :n].copy_(keys[..., :n, :])
-            self._value_buf[:, :, :n].copy_(values[..., :n, :])
-            self._source = None  # the store's tensors are no longer referenced: the job owns its copy
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self._key_buf is None:

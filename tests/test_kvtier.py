@@ -510,3 +510,18 @@ def test_sync_put_writes_a_batch_durably_and_reports_each_failure(tmp_path, monk
     assert not list((tmp_path / "l2").rglob("*.tmp"))
     assert s.lookup("t", toks(12)).tokens == 4  # chunk 1 is missing, so the prefix stops after chunk 0
     assert_restored(s, s.lookup("t", toks(4)), layers, 4)
+
+
+@pytest.mark.parametrize("l0", [100 * CB, 0])  # from memory, and straight from the L2 files
+def test_load_with_capacity_leaves_room_after_the_restored_tokens(tmp_path, l0):
+    store = make(tmp_path, l0=l0, l1=0)
+    layers = kv(10)
+    store.put("t", toks(10), layers)
+    match = store.lookup("t", toks(10))
+    restored = store.load(match, capacity=25)
+    for i, (k, v) in enumerate(layers):
+        bk, bv = restored.buffers(i)
+        assert bk.shape[2] == bv.shape[2] == 25  # the caller appends here without reallocating
+        assert torch.equal(bk[:, :, :10], k) and torch.equal(bv[:, :, :10], v)
+        assert restored.layer(i)[0].shape[2] == 10
+    restored.wait()
