@@ -59,14 +59,19 @@ def chat(server, messages, *, key: str = "key-a", session: str | None = "s1", st
     return "".join(text), raw.headers, usage
 
 
+def second_turn(answer: str) -> list[dict]:
+    """Turn 1's messages: turn 0, its real answer, the next question."""
+    return [
+        {"role": "user", "content": FIRST},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": SECOND},
+    ]
+
+
 def two_turns(server, **kw):
     """Turn 0, then turn 1 carrying turn 0's real answer; returns both (answer, headers, usage)."""
     first = chat(server, [{"role": "user", "content": FIRST}], **kw)
-    history = [
-        {"role": "user", "content": FIRST},
-        {"role": "assistant", "content": first[0]},
-        {"role": "user", "content": SECOND},
-    ]
+    history = second_turn(first[0])
     return first, chat(server, history, **kw), history
 
 
@@ -124,11 +129,7 @@ def test_l2_hit_when_only_the_disk_has_room(local_proxy):
     )
     first = chat(server, [{"role": "user", "content": FIRST}])
     wait_saved(server)
-    history = [
-        {"role": "user", "content": FIRST},
-        {"role": "assistant", "content": first[0]},
-        {"role": "user", "content": SECOND},
-    ]
+    history = second_turn(first[0])
     a1, h1, u1 = chat(server, history)
     assert h1["X-AttentionStore-Cache"] == "l2_hit"
     assert u1.prompt_tokens_details.cached_tokens > 0
@@ -141,11 +142,7 @@ def test_restart_on_the_same_disk_is_an_l2_hit(local_proxy):
     wait_saved(server)
     server.stop()
     restarted = local_proxy()
-    history = [
-        {"role": "user", "content": FIRST},
-        {"role": "assistant", "content": first[0]},
-        {"role": "user", "content": SECOND},
-    ]
+    history = second_turn(first[0])
     a1, h1, _ = chat(restarted, history)
     assert h1["X-AttentionStore-Cache"] == "l2_hit"
     assert a1 == recompute(local_proxy, history)
