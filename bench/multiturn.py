@@ -49,7 +49,7 @@ class BenchOptions:
     max_tokens: int = 64
     max_history_tokens: int = 0  # 0: the model's context
     concurrency: int = 1
-    tiers: str = "default"  # "default" | "small"
+    tiers: str = "default"  # "default" | "small" | "disk"
     target: str | None = None
     api_key: str = "bench"
     model: str | None = None
@@ -385,9 +385,10 @@ def parser() -> argparse.ArgumentParser:
     a("--concurrency", type=int, default=d.concurrency, help="sessions at once, interleaved turn by turn")
     a(
         "--tiers",
-        choices=("default", "small"),
+        choices=("default", "small", "disk"),
         default=d.tiers,
-        help="small: tiny L0/L1 so turns come from L1/L2",
+        help="small: 24 MB L0 / 48 MB L1, so long or concurrent histories spill to L1/L2; disk: no L0/L1, "
+        "every reuse is read from L2",
     )
     a("--target", default=None, help="replay against this OpenAI-compatible server (base URL) instead")
     a("--api-key", default=d.api_key, help="bearer key sent to the target")

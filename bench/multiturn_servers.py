@@ -24,6 +24,8 @@ from proxy.threaded_server import AppServer
 # A 256-token chunk of SmolLM2's float32 KV is ~11.8 MB: these hold two and four chunks, so a
 # 2,000-token history spills to L2 and later turns read from all three tiers.
 SMALL_TIERS_MB = {"l0": 24.0, "l1": 48.0}
+# No memory tiers at all: every reused chunk is read back from its L2 file (the disk path, measured alone).
+TIERS_MB = {"small": SMALL_TIERS_MB, "disk": {"l0": 0.0, "l1": 0.0}}
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class TargetSpec:
     reuse: bool
     l2_path: Path
     concurrency: int
-    tiers: str = "default"  # "default" | "small"
+    tiers: str = "default"  # "default" | "small" | "disk"
     threads: int | None = None
 
 
@@ -42,9 +44,9 @@ def derive_settings(base: Settings, spec: TargetSpec, base_dir: Path) -> Setting
     store = raw["attention_store"]
     store["enabled"] = spec.reuse
     store["tiering"]["l2_disk"]["path"] = str(spec.l2_path)
-    if spec.tiers == "small":
-        store["tiering"]["l0_gpu"]["capacity_mb"] = SMALL_TIERS_MB["l0"]
-        store["tiering"]["l1_host"]["capacity_mb"] = SMALL_TIERS_MB["l1"]
+    if spec.tiers in TIERS_MB:
+        store["tiering"]["l0_gpu"]["capacity_mb"] = TIERS_MB[spec.tiers]["l0"]
+        store["tiering"]["l1_host"]["capacity_mb"] = TIERS_MB[spec.tiers]["l1"]
     lr = raw["local_runner"]
     lr["enabled"] = True
     lr["max_running"] = max(lr["max_running"], spec.concurrency)
