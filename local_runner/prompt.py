@@ -17,9 +17,10 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 class PromptError(ValueError):
     """Messages the local runner cannot render; `param` names the offending field for the client."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 def _text_of(content: Any, where: str) -> str:

@@ -67,7 +67,9 @@ class Runner:
             ids = render_prompt(lm.tokenizer, truncate_history(lm.tokenizer, messages, limit - reserve))
         if len(ids) + reserve > limit:
             raise PromptError(
-                f"the prompt has {len(ids)} tokens; {model} takes at most {limit - reserve} here", "messages"
+                f"the prompt has {len(ids)} tokens; {model} takes at most {limit - reserve} here",
+                "messages",
+                code="context_length_exceeded",
             )
         return ids
 
@@ -79,9 +81,6 @@ class Runner:
         job = Job(request, loop or asyncio.get_running_loop())
         self._worker.submit(job)
         return job
-
-    def would_queue(self) -> bool:
-        return self._worker.would_queue()
 
     @property
     def queue_depth(self) -> int:

@@ -56,11 +56,6 @@ class Worker:
     def running(self) -> int:
         return len(self._running)
 
-    def would_queue(self) -> bool:
-        """True when a new job could not start at once (all running slots taken)."""
-        with self._cond:
-            return len(self._running) + len(self._pending) >= self._max_running
-
     def submit(self, job: Job) -> None:
         with self._cond:
             if self._stopping:

@@ -73,12 +73,7 @@ class LocalChatBackend:
                 self.runner.render, chat.model, chat.messages, sampling.max_tokens
             )
         except PromptError as exc:
-            raise APIError(
-                400,
-                str(exc),
-                param=exc.param,
-                code="context_length_exceeded" if "tokens" in str(exc) else None,
-            ) from None
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
         record = await self.index.get(ctx.tenant, ctx.session) if self.reuse else None
         gen = GenerationRequest(
             model=chat.model,

@@ -6,7 +6,6 @@ tests load the model once and pass it in through `models`.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,13 +16,9 @@ from local_runner.runner import Runner
 from .local_backend import LocalChatBackend, UpstreamFallback
 from .metrics import Metrics
 from .session_index import SessionIndex
-from .settings import Settings, resolve_path
+from .settings import Settings, replica_id, resolve_path
 
 MB = 1024 * 1024
-
-
-def replica_id(settings: Settings) -> str:
-    return settings.proxy.replica_id or f"{socket.gethostname()}:{settings.proxy.port}"
 
 
 def load_models(settings: Settings, base_dir: Path | None = None) -> dict[str, LoadedModel]:

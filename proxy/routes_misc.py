@@ -11,6 +11,7 @@ import orjson
 from aiohttp import web
 
 from .keys import HTTP_CLIENT, LOCAL_BACKEND, SETTINGS
+from .settings import replica_id
 from .upstream import request_headers, upstream_url
 
 log = logging.getLogger("attnstore")
@@ -61,7 +62,7 @@ async def healthz(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
     status = {
         "status": "ok",
-        "replica": settings.proxy.replica_id or None,
+        "replica": replica_id(settings),
         "upstream": settings.llm_endpoint.base_url or None,
         "local_models": list(settings.local_runner.models) if settings.local_runner.enabled else [],
         "local_backend": request.app[LOCAL_BACKEND] is not None,

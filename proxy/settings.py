@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -161,6 +162,11 @@ def _check_values(s: Settings, base_dir: Path, check_paths: bool) -> None:
             ) from None
         if not os.access(l2, os.W_OK):
             raise SettingsError(f"attention_store.tiering.l2_disk.path: {str(l2)!r} is not writable")
+
+
+def replica_id(settings: Settings) -> str:
+    """This replica's name in the session index: proxy.replica_id, else host:port (unique per container)."""
+    return settings.proxy.replica_id or f"{socket.gethostname()}:{settings.proxy.port}"
 
 
 def resolve_path(path: str, base_dir: Path) -> Path:

@@ -161,3 +161,10 @@ async def test_queue_full_is_503_and_disconnect_cancels(local_proxy):
         assert finished.status == 200
     stats = orjson.loads(urllib3.request("GET", server.url + "/v1/attention_store/stats").data)
     assert stats["runner"] == {"queued": 0, "running": 0, "cancelled": 1}
+
+
+def test_a_prompt_longer_than_the_context_is_a_400_naming_it(local_proxy):
+    resp = post(local_proxy(), {"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]})
+    assert resp.status == 400
+    error = orjson.loads(resp.data)["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
