@@ -22,13 +22,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+from kvtier.index import common_prefix_len
 
 
 @dataclass
@@ -65,7 +59,7 @@ class IdealMeter:
         """Seconds for the new tokens of this prompt; `key` names the conversation whose cache we keep."""
         reused = max(0, min(reused, len(ids) - 1))
         held = self._held.get(key)
-        keep = min(common_prefix(held.ids, ids), reused) if held else 0
+        keep = min(common_prefix_len(held.ids, ids), reused) if held else 0
         if held is None or keep == 0:
             held = _Held(DynamicCache(config=self.model.config))
         elif len(held.ids) > keep:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,14 +25,10 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from proxy.threaded_server import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 BODY = {"model": "gpt-fake", "messages": [{"role": "user", "content": "Say hello."}]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(args: list[str]) -> subprocess.Popen:

@@ -228,9 +228,15 @@ class KVStore:
     # ---- lookup, pinning ---------------------------------------------------------------------------
 
     def lookup(
-        self, namespace: str, token_ids: Sequence[int], *, hint_keys: Sequence[str] = ()
+        self,
+        namespace: str,
+        token_ids: Sequence[int],
+        *,
+        hint_keys: Sequence[str] = (),
+        count: bool = True,
     ) -> PrefixMatch:
-        """Longest stored prefix of token_ids for this namespace, adopting hinted/shared files first."""
+        """Longest stored prefix of token_ids for this namespace, adopting hinted/shared files first.
+        `count=False`: a look-ahead (prefetch) that must not count as a hit or miss of its own."""
         token_ids = list(token_ids)
         for key in hint_keys:
             with self._lock:
@@ -253,15 +259,18 @@ class KVStore:
                     self._index, root, namespace, token_ids, self.config.chunk_tokens, find
                 )
                 if not missing:
-                    return self._finish_lookup(namespace, steps)
+                    return self._finish_lookup(namespace, steps, count)
             tried.add(missing[0])
             self._try_adopt_key(missing[0])  # a file another replica may have written: one stat
 
-    def _finish_lookup(self, namespace: str, steps: list[Step]) -> PrefixMatch:
+    def _finish_lookup(self, namespace: str, steps: list[Step], count: bool) -> PrefixMatch:
         chunks = tuple(ChunkRef(s.entry.key, s.start, s.n_tokens, s.entry.tier) for s in steps)
         match = PrefixMatch(namespace, sum(s.n_tokens for s in steps), chunks)
         for s in steps:
             self._touch(s.entry)
+        if not count:
+            return match
+        for s in steps:
             self._c.chunk_hits[s.entry.tier] += 1
         if match.tier is None:
             self._c.misses += 1

@@ -118,6 +118,7 @@ class Runner:
         store = self.stores.get(req.model)
         if store is None or not req.reuse:
             return
-        match = store.lookup(req.namespace, req.prompt_ids[:-1], hint_keys=req.hint_keys)
+        # Not counted: the job's own lookup, when it runs, is the hit or miss.
+        match = store.lookup(req.namespace, req.prompt_ids[:-1], hint_keys=req.hint_keys, count=False)
         if match.tokens:
             store.prefetch(match)

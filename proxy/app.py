@@ -18,7 +18,7 @@ from .metrics import Metrics
 from .middleware import error_middleware
 from .routes_chat import chat_completions
 from .routes_misc import healthz, list_models
-from .routes_store import forget_session, metrics, stats, store_stats
+from .routes_store import forget_session, local_runner, metrics, stats, store_stats
 from .session_index import MemorySessionIndex, SessionIndex, open_session_index
 from .settings import Settings
 from .upstream import forward_chat
@@ -43,8 +43,7 @@ async def _http_client(app: web.Application) -> AsyncIterator[None]:
 
 async def _close_local(app: web.Application) -> None:
     """Stop the runner's worker and let pending L2 writes finish, so a restart finds every chunk."""
-    backend = app[LOCAL_BACKEND]
-    runner = getattr(backend, "runner", None)
+    runner = local_runner(app)
     if runner is not None:
         await asyncio.to_thread(runner.close)
     await app[SESSION_INDEX].close()

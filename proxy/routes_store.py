@@ -26,9 +26,13 @@ def _sum_stats(per_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
+def local_runner(app: web.Application) -> Any | None:
+    """The local runner behind the app's backend, if it has one (a test's fake backend may not)."""
+    return getattr(app[LOCAL_BACKEND], "runner", None)
+
+
 def store_stats(app: web.Application) -> dict[str, dict[str, Any]]:
-    backend = app[LOCAL_BACKEND]
-    stores = getattr(getattr(backend, "runner", None), "stores", {})
+    stores = getattr(local_runner(app), "stores", {})
     return {name: store.stats().to_dict() for name, store in stores.items()}
 
 
@@ -36,8 +40,7 @@ async def stats(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
     check_client_auth(request.headers, settings.proxy.api_keys)
     per_model = store_stats(request.app)
-    backend = request.app[LOCAL_BACKEND]
-    runner = getattr(backend, "runner", None)
+    runner = local_runner(request.app)
     body = {
         "enabled": settings.attention_store.enabled,
         **_sum_stats(per_model),
@@ -56,8 +59,7 @@ async def forget_session(request: web.Request) -> web.Response:
     check_client_auth(request.headers, settings.proxy.api_keys)
     session = request.match_info["session_id"]
     tenant = tenant_of(request.headers)
-    backend = request.app[LOCAL_BACKEND]
-    stores = getattr(getattr(backend, "runner", None), "stores", {})
+    stores = getattr(local_runner(request.app), "stores", {})
     dropped = 0
     for store in stores.values():
         dropped += await asyncio.to_thread(store.forget_session, tenant, session)

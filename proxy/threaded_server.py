@@ -17,11 +17,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
+
+
+def free_port() -> int:
+    """A loopback port free right now (for servers started as separate processes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 AppSource = web.Application | Callable[[], web.Application | Awaitable[web.Application]]
 

@@ -525,3 +525,15 @@ def test_load_with_capacity_leaves_room_after_the_restored_tokens(tmp_path, l0):
         assert torch.equal(bk[:, :, :10], k) and torch.equal(bv[:, :, :10], v)
         assert restored.layer(i)[0].shape[2] == 10
     restored.wait()
+
+
+def test_an_uncounted_lookup_leaves_hits_and_misses_alone(tmp_path):
+    store = make(tmp_path)
+    store.put("t", toks(10), kv(10))
+    before = store.stats()
+    assert store.lookup("t", toks(10), count=False).tokens == 10
+    assert store.lookup("t", toks(5, base=100), count=False).tokens == 0
+    after = store.stats()
+    assert after.hits == before.hits and after.misses == before.misses
+    assert store.lookup("t", toks(10)).tokens == 10
+    assert store.stats().hits["l0"] == before.hits["l0"] + 1

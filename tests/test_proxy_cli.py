@@ -2,7 +2,6 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -10,16 +9,11 @@ from pathlib import Path
 
 import orjson
 
+from proxy.threaded_server import free_port
 from tests.conftest import settings_dict
 from tests.servers import http_request
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cli(*args, cwd, timeout=60, env=None):

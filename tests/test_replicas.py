@@ -15,18 +15,13 @@ import pytest
 import urllib3
 
 from proxy.app import build_full_app
+from proxy.threaded_server import free_port
 from tests.model_fixture import MODEL, REPO
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 REDIS = shutil.which("redis-server")
 FIRST = [{"role": "user", "content": "Name three colors."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(check, what: str, timeout: float = 60.0) -> None:
