@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from kvtier import KVStore
+from kvtier import KVStore, StoreStats
 
 from .engine import JobState
 from .jobs import GenerationRequest, Job
@@ -16,6 +17,14 @@ from .kv_cache import job_cache
 from .loader import LoadedModel
 from .prompt import PromptError, render_prompt, truncate_history
 from .worker import Worker
+
+
+@dataclass(frozen=True)
+class RunnerStats:
+    queued: int
+    running: int
+    cancelled: int  # jobs stopped because their client went away
+    stores: dict[str, StoreStats]  # per served model with a KV store
 
 
 class Runner:
@@ -93,6 +102,20 @@ class Runner:
     @property
     def cancelled(self) -> int:
         return self._worker.cancelled
+
+    def stats(self) -> RunnerStats:
+        """A snapshot of the queue and of every model's store; safe from any thread (the stores lock
+        themselves), but it may wait on a store's lock, so call it off the event loop."""
+        return RunnerStats(
+            queued=self.queue_depth,
+            running=self.running,
+            cancelled=self.cancelled,
+            stores={name: store.stats() for name, store in self.stores.items()},
+        )
+
+    def forget_session(self, namespace: str, session: str) -> int:
+        """Drop one tenant's session from every model's store; returns the chunks dropped. Blocking."""
+        return sum(store.forget_session(namespace, session) for store in self.stores.values())
 
     def close(self) -> None:
         self._worker.close()
