@@ -8,6 +8,7 @@ from .layout import KVLayout
 from .loader import KVLoadError, RestoredKV
 from .stats import StoreStats, TierStats
 from .store import KVStore
+from .tiers import TIERS, Tier
 
 __all__ = [
     "ChunkRef",
@@ -18,5 +19,7 @@ __all__ = [
     "RestoredKV",
     "StoreConfig",
     "StoreStats",
+    "TIERS",
+    "Tier",
     "TierStats",
 ]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-TIER_ORDER = {"l0": 0, "l1": 1, "l2": 2}
+from .tiers import TIERS, Tier
 
 
 @dataclass
@@ -40,7 +40,7 @@ class ChunkRef:
     key: str
     start: int
     n_tokens: int
-    tier: str
+    tier: Tier
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class PrefixMatch:
     chunks: tuple[ChunkRef, ...]
 
     @property
-    def tier(self) -> str | None:
+    def tier(self) -> Tier | None:
         """The fastest tier among the chunks; None when nothing matched."""
         if self.tokens == 0 or not self.chunks:
             return None
-        return min((c.tier for c in self.chunks), key=TIER_ORDER.__getitem__)
+        return min((c.tier for c in self.chunks), key=TIERS.index)

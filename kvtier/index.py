@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .disk import ChunkMeta
 from .keys import chunk_key
-from .tiers import ChunkKV
+from .tiers import ChunkKV, Tier
 
 
 @dataclass(eq=False)
@@ -24,7 +24,7 @@ class Entry:
     session: str | None
     nbytes: int
     data: ChunkKV | None = None  # the L0 or L1 copy
-    mem_tier: str | None = None  # "l0" | "l1" | None
+    mem_tier: Tier | None = None  # "l0" | "l1" | None
     pending: ChunkKV | None = None  # the copy an L2 save in flight holds
     on_disk: bool = False
     meta: ChunkMeta | None = None  # header of the L2 file (layer checksums) once written or adopted
@@ -40,7 +40,7 @@ class Entry:
         return self.data is not None or self.pending is not None or self.on_disk
 
     @property
-    def tier(self) -> str:
+    def tier(self) -> Tier:
         """Where a load would read it from (a save in flight counts as L2: it is L2's write buffer)."""
         return self.mem_tier if self.data is not None and self.mem_tier else "l2"
 

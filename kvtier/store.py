@@ -38,11 +38,9 @@ from .layout import KVLayout, normalize_layers
 from .loader import KVLoadError, LoadFailure, PlanItem, RestoredKV, run_load
 from .saver import SavePool
 from .stats import Counters, StoreStats, TierStats
-from .tiers import TIERS, ChunkKV, TierBudget, host_bytes
+from .tiers import MEMORY_TIERS, TIERS, ChunkKV, Tier, TierBudget, host_bytes
 
 log = logging.getLogger(__name__)
-
-MEM_TIERS = ("l0", "l1")
 
 
 class KVStore:
@@ -148,14 +146,14 @@ class KVStore:
 
     # ---- placement and eviction (call with the lock held) -----------------------------------------
 
-    def _evictable(self, tier: str) -> Callable[[str], bool]:
+    def _evictable(self, tier: Tier) -> Callable[[str], bool]:
         def ok(key: str) -> bool:
             e = self._index.get(key)
             return e is not None and e.pins == 0 and (tier != "l2" or e.pending is None)
 
         return ok
 
-    def _place(self, entry: Entry, data: ChunkKV, tiers: Sequence[str] = MEM_TIERS) -> bool:
+    def _place(self, entry: Entry, data: ChunkKV, tiers: Sequence[Tier] = MEMORY_TIERS) -> bool:
         """Put `data` in the first of `tiers` where it fits (demoting LRU victims); False if none."""
         for name in tiers:
             budget = self._budgets[name]
@@ -176,7 +174,7 @@ class KVStore:
             return True
         return False
 
-    def _evict_mem(self, tier: str, key: str) -> None:
+    def _evict_mem(self, tier: Tier, key: str) -> None:
         entry = self._index.get(key)
         budget = self._budgets[tier]
         budget.remove(key)
@@ -338,7 +336,7 @@ class KVStore:
         """A host buffer to read an L2 chunk into, allocated here in the caller's thread (see RestoredKV),
         or None when the loader can read it straight into the output: host output, whole chunk used,
         and no memory tier that could take the chunk afterwards (promotion needs a copy of its own)."""
-        promotable = any(self._budgets[t].capacity >= e.nbytes for t in MEM_TIERS)
+        promotable = any(self._budgets[t].capacity >= e.nbytes for t in MEMORY_TIERS)
         if self.device.type == "cpu" and c.n_tokens == e.n_tokens and not promotable:
             return None
         return ChunkKV.empty(self.layout, e.n_tokens, self._host, pin=self._pin_host)

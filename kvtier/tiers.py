@@ -9,13 +9,21 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from typing import Literal
 
 import numpy as np
 import torch
 
 from .layout import KVLayout
 
-TIERS: tuple[str, ...] = ("l0", "l1", "l2")
+Tier = Literal["l0", "l1", "l2"]
+"""A tier's name: l0 = the runner's device, l1 = host memory, l2 = disk (the one spelling everywhere)."""
+
+TIERS: tuple[Tier, ...] = ("l0", "l1", "l2")
+"""Fastest first: a tier's position is its rank (eviction demotes towards the end)."""
+
+MEMORY_TIERS: tuple[Tier, ...] = ("l0", "l1")
+"""The tiers that hold tensors in memory (placement tries them in this order)."""
 
 
 def host_bytes(t: torch.Tensor) -> np.ndarray | None:
