@@ -5,7 +5,7 @@ Knows tensors and files only. See store.KVStore for the API the runner uses.
 
 from .config import ChunkRef, PrefixMatch, StoreConfig
 from .layout import KVLayout
-from .loader import KVLoadError, RestoredKV
+from .restore import KVLoadError, RestoredKV
 from .stats import StoreStats, TierStats
 from .store import KVStore
 from .tiers import TIERS, Tier

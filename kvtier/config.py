@@ -23,14 +23,16 @@ class StoreConfig:
     async_save: bool = True  # False: put() writes L2 before returning
     save_workers: int = 1
     save_queue_chunks: int = 32  # bounded queue; put() blocks (back-pressure) when full
+    load_workers: int = 4  # load() threads the store owns; more loads at once wait their turn
 
     def __post_init__(self) -> None:
         self.l2_path = Path(self.l2_path)
         for name in ("l0_capacity_bytes", "l1_capacity_bytes", "l2_capacity_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if self.chunk_tokens <= 0 or self.save_workers <= 0 or self.save_queue_chunks <= 0:
-            raise ValueError("chunk_tokens, save_workers and save_queue_chunks must be positive")
+        positive = ("chunk_tokens", "save_workers", "save_queue_chunks", "load_workers")
+        if any(getattr(self, name) <= 0 for name in positive):
+            raise ValueError(f"{', '.join(positive)} must be positive")
 
 
 @dataclass(frozen=True)

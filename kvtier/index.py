@@ -8,22 +8,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .disk import ChunkMeta
-from .keys import chunk_key
-from .tiers import ChunkKV, Tier
+from .chunk import ChunkId, ChunkKV
+from .chunk_format import ChunkMeta
+from .chunk_keys import chunk_key
+from .tiers import Tier
 
 
 @dataclass(eq=False)
 class Entry:
-    """One stored chunk and where its bytes are right now."""
+    """One stored chunk (its identity) and where its bytes are right now. Mutated under the store lock."""
 
-    key: str
-    namespace: str
-    parent: str
-    token_ids: tuple[int, ...]
-    session: str | None
+    chunk: ChunkId
     nbytes: int
-    data: ChunkKV | None = None  # the L0 or L1 copy
+    data: ChunkKV | None = None  # the L0 or L1 copy (possibly still on its old device, see placement)
     mem_tier: Tier | None = None  # "l0" | "l1" | None
     pending: ChunkKV | None = None  # the copy an L2 save in flight holds
     on_disk: bool = False
@@ -32,8 +29,12 @@ class Entry:
     removed: bool = field(default=False)
 
     @property
+    def key(self) -> str:
+        return self.chunk.key
+
+    @property
     def n_tokens(self) -> int:
-        return len(self.token_ids)
+        return self.chunk.n_tokens
 
     @property
     def usable(self) -> bool:
@@ -66,17 +67,17 @@ class PrefixIndex:
 
     def add(self, entry: Entry) -> None:
         self._entries[entry.key] = entry
-        self._children.setdefault(entry.parent, set()).add(entry.key)
+        self._children.setdefault(entry.chunk.parent, set()).add(entry.key)
 
     def remove(self, key: str) -> Entry | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             entry.removed = True
-            siblings = self._children.get(entry.parent)
+            siblings = self._children.get(entry.chunk.parent)
             if siblings is not None:
                 siblings.discard(key)
                 if not siblings:
-                    del self._children[entry.parent]
+                    del self._children[entry.chunk.parent]
         return entry
 
     def children(self, parent: str) -> list[Entry]:
@@ -111,7 +112,12 @@ def longest_prefix(
     while pos + chunk_tokens <= n:
         toks = tuple(token_ids[pos : pos + chunk_tokens])
         entry = find(chunk_key(parent, toks))
-        if entry is None or not entry.usable or entry.token_ids != toks or entry.namespace != namespace:
+        if (
+            entry is None
+            or not entry.usable
+            or entry.chunk.token_ids != toks
+            or entry.chunk.namespace != namespace
+        ):
             break
         steps.append(Step(entry, pos, chunk_tokens))
         parent, pos = entry.key, pos + chunk_tokens
@@ -119,8 +125,8 @@ def longest_prefix(
         rest = token_ids[pos:]
         best, best_len = None, 0
         for child in index.children(parent):
-            if child.usable and child.namespace == namespace:
-                common = common_prefix_len(child.token_ids, rest)
+            if child.usable and child.chunk.namespace == namespace:
+                common = common_prefix_len(child.chunk.token_ids, rest)
                 if common > best_len:
                     best, best_len = child, common
         if best is not None:

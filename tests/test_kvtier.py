@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvtier.disk as disk_mod
-import kvtier.store as store_mod
+import kvtier.chunk_files as files_mod
+import kvtier.saving as saving_mod
 from kvtier import KVLayout, KVLoadError, KVStore, StoreConfig
-from kvtier.disk import QUARANTINE, chunk_path
+from kvtier.chunk_files import QUARANTINE, chunk_path
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 CHUNK = 4
@@ -310,7 +310,7 @@ def test_crash_mid_write_leaves_nothing_readable(tmp_path, monkeypatch):
         os.write(fd, b"partial")
         raise KeyboardInterrupt  # dies mid-write, after the temp file was created
 
-    monkeypatch.setattr(disk_mod, "_write_all", partial_write)
+    monkeypatch.setattr(files_mod, "_write_all", partial_write)
     with pytest.raises(KeyboardInterrupt):
         s.put("t", toks(12), kv(12))  # three chunks in one batch: none may be left behind
     monkeypatch.undo()
@@ -327,7 +327,7 @@ def test_disk_full_stops_saving_but_serving_goes_on(tmp_path, monkeypatch, caplo
     def full(*a, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store_mod, "write_chunk", full)
+    monkeypatch.setattr(saving_mod, "write_chunk", full)
     s = make(tmp_path, async_save=True)
     layers = kv(8)
     s.put("t", toks(8), layers)
@@ -375,13 +375,13 @@ def test_stats_shape_is_json(tmp_path):
 
 def test_bounded_save_queue_applies_back_pressure(tmp_path, monkeypatch):
     gate = threading.Event()
-    real = store_mod.write_chunk
+    real = saving_mod.write_chunk
 
     def slow(*a, **kw):
         gate.wait()
         return real(*a, **kw)
 
-    monkeypatch.setattr(store_mod, "write_chunk", slow)
+    monkeypatch.setattr(saving_mod, "write_chunk", slow)
     s = make(tmp_path, async_save=True, save_queue_chunks=1, save_workers=1)
     t = threading.Thread(target=s.put, args=("t", toks(16), kv(16)))  # 4 chunks > 1 worker + 1 queued
     t.start()

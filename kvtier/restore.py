@@ -1,5 +1,9 @@
-"""Layer-wise restore: a background thread assembles each layer's K and V from the match's chunks, in
-layer order, so the runner can compute layer i while layer i+1 is still being read from disk.
+"""Layer-wise restore: a load thread assembles each layer's K and V from the match's chunks, in layer
+order, so the runner can compute layer i while layer i+1 is still being read from disk.
+
+RestoredKV is the handle both sides share: the loader fills it (`target`, `mark_loaded`, `fail`) and
+the store says when its own bookkeeping is over (`settle`); the runner reads it (`layer`, `buffers`,
+`wait`).
 """
 
 from __future__ import annotations
@@ -11,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .disk import ChunkMeta, ChunkReader
+from .chunk import ChunkKV, host_bytes
+from .chunk_files import ChunkReader
+from .chunk_format import ChunkMeta
 from .layout import KVLayout
-from .tiers import ChunkKV, host_bytes
 
 
 class KVLoadError(Exception):
@@ -69,17 +74,28 @@ class RestoredKV:
         ]
         if num_tokens == 0:
             for i in range(n):
-                self._set(i, *self._out[i])
-            self._settled.set()
+                self.mark_loaded(i)
+            self.settle()
 
-    def _set(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._k[i], self._v[i] = k, v
+    def target(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loader's side: layer i's output buffers to fill, [1, heads, capacity, head_dim] (no wait)."""
+        return self._out[i]
+
+    def mark_loaded(self, i: int) -> None:
+        """The loader's side: layer i's first num_tokens are filled and verified; readers may take them."""
+        self._k[i], self._v[i] = self._out[i]
         self._ready[i].set()
 
-    def _fail(self, error: KVLoadError) -> None:
+    def fail(self, error: KVLoadError) -> None:
+        """The loader's side: the load is over and failed. Wakes every reader of a layer not loaded yet,
+        which then raises `error`; layers already handed out stay valid."""
         self._error = error
         for ev in self._ready:
             ev.set()
+
+    def settle(self) -> None:
+        """The store's side: its bookkeeping for this load (promotion, unpinning) is done; wait() returns."""
+        self._settled.set()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer i, each [1, heads, num_tokens, head_dim]; raises KVLoadError on failure."""
@@ -106,12 +122,8 @@ class RestoredKV:
         if self._error is not None:
             raise self._error
 
-    @property
-    def done(self) -> bool:
-        return all(ev.is_set() for ev in self._ready)
 
-
-def run_load(plan: list[PlanItem], restored: RestoredKV, layout: KVLayout, device: torch.device) -> dict:
+def run_load(plan: list[PlanItem], restored: RestoredKV, layout: KVLayout) -> dict[str, ChunkKV]:
     """Fill `restored` layer by layer. Returns {key: ChunkKV} of the chunks read from disk into host
     buffers (to promote). A disk chunk without a buffer (`buf`) is read straight into the output and
     checksummed there, before that layer is handed out.
@@ -133,7 +145,7 @@ def run_load(plan: list[PlanItem], restored: RestoredKV, layout: KVLayout, devic
         srcs = [(item.mem or item.buf) for item in plan]
         src_bytes = [c.host_bytes() if c is not None else None for c in srcs]
         for i in range(layout.num_layers):
-            out_k, out_v = restored._out[i]
+            out_k, out_v = restored.target(i)
             ok, ov = host_bytes(out_k[0]), host_bytes(out_v[0])
             pos = 0
             for item, src, sb in zip(plan, srcs, src_bytes, strict=True):
@@ -160,7 +172,7 @@ def run_load(plan: list[PlanItem], restored: RestoredKV, layout: KVLayout, devic
                         out_k[0, :, pos : pos + n].copy_(src.buf[i, 0, :, :n], non_blocking=True)
                         out_v[0, :, pos : pos + n].copy_(src.buf[i, 1, :, :n], non_blocking=True)
                 pos += n
-            restored._set(i, out_k, out_v)
+            restored.mark_loaded(i)
     finally:
         for r in readers.values():
             r.close()

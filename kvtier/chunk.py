@@ -1,0 +1,82 @@
+"""What one chunk is: its identity (ChunkId, shared by the index and the L2 file header) and its K/V bytes
+(ChunkKV, one contiguous buffer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .layout import KVLayout
+
+
+@dataclass(frozen=True)
+class ChunkId:
+    """Who a chunk is: its chained key, the tenant it belongs to, its parent key and its token ids, plus
+    the session that first stored it (for stats and forgetting). The index entry and the file header
+    both carry one, so the two can never disagree on what a chunk is."""
+
+    key: str
+    namespace: str
+    parent: str
+    token_ids: tuple[int, ...]
+    session: str | None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def host_bytes(t: torch.Tensor) -> np.ndarray | None:
+    """A host tensor's bytes as a uint8 numpy array with the same dimensions (the last one scaled by the
+    item size), no copy; None on a device or when the last dimension is not contiguous."""
+    if t.device.type != "cpu" or (t.dim() and t.stride(-1) != 1) or t.requires_grad:
+        return None
+    return t.view(torch.uint8).numpy()
+
+
+class ChunkKV:
+    """K and V of every layer for one chunk, in ONE contiguous buffer [layers, 2, heads, n_tokens, head_dim]
+    (K of layer i at buf[i, 0], V at buf[i, 1]). Never mutated once built, so readers may keep using a
+    buffer while the store moves the chunk to another tier.
+
+    One buffer means one allocation and one free per chunk, and the L2 file's tensor bytes are exactly
+    this buffer's bytes (k.0, v.0, k.1, v.1, ...), so a save is one write and a layer's checksum one pass.
+    """
+
+    __slots__ = ("buf",)
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        if buf.dim() != 5 or buf.shape[1] != 2 or not buf.is_contiguous():
+            raise ValueError(
+                f"ChunkKV needs a contiguous [layers, 2, heads, n, dim] buffer, got {tuple(buf.shape)}"
+            )
+        self.buf = buf
+
+    @classmethod
+    def empty(cls, layout: KVLayout, n_tokens: int, device: torch.device, *, pin: bool = False) -> ChunkKV:
+        shape = (layout.num_layers, 2, layout.num_kv_heads, n_tokens, layout.head_dim)
+        return cls(torch.empty(shape, dtype=layout.dtype, device=device, pin_memory=pin))
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.buf.shape[3])
+
+    def host_bytes(self) -> np.ndarray | None:
+        """The buffer as a uint8 numpy array [layers, 2, heads, n, head_dim * itemsize] (no copy), or None
+        off the host. numpy copies of these slices are memcpy-speed (torch's strided copy_ is ~2x slower
+        here), and uint8 covers every dtype, bfloat16 included."""
+        return host_bytes(self.buf)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
+    def to(self, device: torch.device, *, pin: bool = False) -> ChunkKV:
+        """Copy to `device` (no copy if already there); pinned host memory when asked and possible."""
+        if self.buf.device == device:
+            return self
+        out = torch.empty_like(self.buf, device=device, pin_memory=pin and device.type == "cpu")
+        out.copy_(self.buf)
+        return ChunkKV(out)
