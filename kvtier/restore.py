@@ -113,6 +113,12 @@ class RestoredKV:
             raise self._error
         return k, v
 
+    @property
+    def ready(self) -> bool:
+        """True once wait() would return at once: every layer loaded (or the load failed) and settled.
+        A batching runner keeps a job out of its steps until then, so a step never waits on a disk."""
+        return self._settled.is_set() and all(ev.is_set() for ev in self._ready)
+
     def wait(self) -> None:
         """Block until every layer is loaded and the store has promoted the chunks; raises KVLoadError
         if any chunk failed."""
