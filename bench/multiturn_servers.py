@@ -10,6 +10,8 @@ unless one is given, port 0) and the runner takes every concurrent session at on
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,12 @@ import msgspec
 import orjson
 
 from proxy.settings import Settings, parse_settings
-from proxy.threaded_server import AppServer
+
+# The threaded app server is test support (tests/support); `attnstore bench` run from outside the
+# checkout's root finds it next to bench/.
+if importlib.util.find_spec("tests") is None:
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
+from tests.support.threaded_server import AppServer  # noqa: E402
 
 # A 256-token chunk of SmolLM2's float32 KV is ~11.8 MB: these hold two and four chunks, so a
 # 2,000-token history spills to L2 and later turns read from all three tiers.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.util
 import logging
 import sys
 
@@ -65,14 +66,21 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# The benchmark is an optional extra: its code and the third-party packages only it uses.
+BENCH_MODULES = ("bench", "tqdm", "matplotlib")
+BENCH_INSTALL = "pip install -e .[bench]"
+
+
 def bench(argv: list[str]) -> int:
-    try:
-        module = importlib.import_module("bench.multiturn")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("bench", "bench.multiturn"):
-            raise
-        print("attnstore: the multi-turn benchmark (bench/multiturn.py) is not installed", file=sys.stderr)
+    missing = [name for name in BENCH_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"attnstore: the benchmark is not installed (missing {', '.join(missing)}); "
+            f"install it with: {BENCH_INSTALL}",
+            file=sys.stderr,
+        )
         return 2
+    module = importlib.import_module("bench.multiturn")
     return int(module.main(argv) or 0)
 
 

@@ -2,11 +2,15 @@
 
 - `make_settings(**sections)`: Settings from the test defaults (local runner off, L2 under tmp_path, the
   fake upstream as llm_endpoint when `fake_upstream` is used) deep-merged with `sections`.
-- `fake_upstream`: a running `bench.fake_upstream.FakeUpstream` (`.url`, `.requests`, knobs).
+- `fake_upstream`: a running `tests.support.fake_upstream.FakeUpstream` (`.url`, `.requests`, knobs).
 - `start_app(app_or_factory, **kw)`: start any aiohttp app in a background thread, stopped at teardown;
   returns a `tests.servers.AppServer` (`.url`).
 - `start_proxy(settings=None, local_backend=None)`: build_app(settings) started the same way.
 - `proxy`: the proxy with default test settings in front of `fake_upstream`.
+- `redis_server`: a throw-away redis-server on a free loopback port (skipped when the binary is absent).
+
+Every test that uses the real model (the `smollm` fixture, directly or through another fixture) is marked
+`model`, so `pytest -m "not model"` (make test-fast) runs exactly the model-free tests.
 """
 
 from __future__ import annotations
@@ -18,11 +22,21 @@ from typing import Any
 import orjson
 import pytest
 
-from bench.fake_upstream import FakeUpstream
 from proxy.app import build_app
 from proxy.settings import Settings, parse_settings
 from tests.model_fixture import smollm  # noqa: F401 - the real model, once per session
 from tests.servers import AppServer
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.redis_server import REDIS_SERVER, RedisServer
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if "smollm" in fixtures:
+            item.add_marker(pytest.mark.model)
+        if "redis_server" in fixtures:
+            item.add_marker(pytest.mark.redis)
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -86,3 +100,12 @@ def start_proxy(start_app, make_settings) -> Callable[..., AppServer]:
 @pytest.fixture
 def proxy(fake_upstream, start_proxy) -> AppServer:
     return start_proxy()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed on this machine (apt-get install redis-server)")
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()

@@ -1,4 +1,4 @@
-"""Test helpers: the threaded app server (shared with the benchmarks) and a stdlib HTTP client."""
+"""Test helpers: the threaded app server (tests.support.threaded_server) and a stdlib HTTP client."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from proxy.threaded_server import AppServer, serve_in_thread
+from tests.support.threaded_server import AppServer, serve_in_thread
 
 __all__ = ["AppServer", "HTTPResult", "http_request", "serve_in_thread"]
 

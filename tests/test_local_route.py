@@ -12,6 +12,7 @@ import urllib3
 
 from proxy.app import build_full_app
 from tests.model_fixture import MODEL
+from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.model
 
@@ -139,6 +140,11 @@ def test_models_lists_the_local_model(local_proxy):
     assert MODEL in [m["id"] for m in data]
 
 
+async def queued(http: aiohttp.ClientSession, url: str, n: int) -> bool:
+    async with http.get(url + "/v1/attention_store/stats") as resp:
+        return (await resp.json())["runner"]["queued"] == n
+
+
 async def test_queue_full_is_503_and_disconnect_cancels(local_proxy):
     server = local_proxy(local_runner={"max_queue": 1, "max_running": 1})
     long = {
@@ -152,7 +158,8 @@ async def test_queue_full_is_503_and_disconnect_cancels(local_proxy):
         url = server.url + "/v1/chat/completions"
         running = await http.post(url, json=long)  # streaming: its headers arrive with the first token
         waiting = asyncio.ensure_future(http.post(url, json={**long, "max_tokens": 2, "stream": False}))
-        await asyncio.sleep(0.5)
+        # The second request waits in the queue (the first holds the only running slot): the queue is full.
+        await async_wait_until(lambda: queued(http, server.url, 1), "the second request queued", 30)
         refused = await http.post(url, json={**long, "max_tokens": 2, "stream": False})
         assert refused.status == 503
         assert (await refused.json())["error"]["code"] == "queue_full"

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
@@ -15,78 +12,15 @@ import pytest
 import urllib3
 
 from proxy.app import build_full_app
-from proxy.threaded_server import free_port
 from tests.model_fixture import MODEL, REPO
+from tests.support.threaded_server import free_port
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]
 
-REDIS = shutil.which("redis-server")
+# A process still starting, or a connection refused: not ready yet.
+UNREACHABLE = (urllib3.exceptions.HTTPError, OSError)
 FIRST = [{"role": "user", "content": "Name three colors."}]
-
-
-def wait_until(check, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except (urllib3.exceptions.HTTPError, OSError):
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} did not come up within {timeout}s")
-
-
-class RedisServer:
-    """A throw-away redis-server on a free loopback port; nothing persisted."""
-
-    def __init__(self, workdir: Path):
-        self.port = free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        self.proc = subprocess.Popen(
-            [
-                REDIS,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_until(self._answers, "redis-server", 15)
-        return self
-
-    def _answers(self) -> bool:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    if REDIS is None:
-        pytest.skip("redis-server is not installed on this machine (apt-get install redis-server)")
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop()
 
 
 class Replica:
@@ -131,6 +65,8 @@ class Replica:
             lambda: urllib3.request("GET", self.url + "/healthz", timeout=1, retries=False).status == 200,
             "replica",
             120,
+            interval=0.1,
+            ignore=UNREACHABLE,
         )
         return self
 
@@ -178,7 +114,7 @@ def test_turn_on_the_other_replica_is_an_l2_hit_and_redis_loss_fails_nothing(
     a, b = replicas
     answer0, h0 = chat(a.url, FIRST)
     assert h0["X-AttentionStore-Cache"] == "miss"
-    wait_until(lambda: saves_done(a.url), "replica A's L2 writes", 30)
+    wait_until(lambda: saves_done(a.url), "replica A's L2 writes", 30, ignore=UNREACHABLE)
 
     history = [
         *FIRST,

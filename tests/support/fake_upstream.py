@@ -4,7 +4,7 @@
     app = fake.app()                      # an aiohttp Application: POST /v1/chat/completions, GET /v1/models
     fake.requests[-1].json                # what the last chat request carried (path, headers, body)
 
-`python -m bench.fake_upstream --port P` serves it standalone (used by bench.proxy_overhead).
+`python -m tests.support.fake_upstream --port P` serves it standalone (used by bench.proxy_overhead).
 """
 
 from __future__ import annotations

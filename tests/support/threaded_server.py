@@ -1,6 +1,6 @@
 """Run any aiohttp application on 127.0.0.1:<free port> in a background thread with its own event loop.
 
-    from proxy.threaded_server import AppServer, serve_in_thread
+    from tests.support.threaded_server import AppServer, serve_in_thread
 
     with serve_in_thread(build_app(settings)) as server:     # or: server = AppServer(app).start() ... .stop()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="k")
