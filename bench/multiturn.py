@@ -262,7 +262,7 @@ def run_bench(options: BenchOptions, models: Mapping[str, Any] | None = None) ->
     """
     from tqdm import tqdm
 
-    from proxy.local_setup import load_models
+    from proxy.local.build import load_models
 
     from .multiturn_servers import InProcessTarget, TargetSpec, derive_settings
 

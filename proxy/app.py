@@ -13,12 +13,12 @@ from aiohttp import web
 from .backend import LocalBackend, RequestContext
 from .chat_request import ChatRequest
 from .errors import APIError
-from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
+from .keys import HTTP_CLIENT, LOCAL_BACKEND, LOCAL_RUNNER, METRICS, SESSION_INDEX, SETTINGS
 from .metrics import Metrics
 from .middleware import error_middleware
 from .routes_chat import chat_completions
 from .routes_misc import healthz, list_models
-from .routes_store import forget_session, local_runner, metrics, stats, store_stats
+from .routes_store import forget_session, metrics, stats, store_stats
 from .session_index import MemorySessionIndex, SessionIndex, open_session_index
 from .settings import Settings
 from .upstream import forward_chat
@@ -43,7 +43,7 @@ async def _http_client(app: web.Application) -> AsyncIterator[None]:
 
 async def _close_local(app: web.Application) -> None:
     """Stop the runner's worker and let pending L2 writes finish, so a restart finds every chunk."""
-    runner = local_runner(app)
+    runner = app[LOCAL_RUNNER]
     if runner is not None:
         await asyncio.to_thread(runner.close)
     await app[SESSION_INDEX].close()
@@ -61,8 +61,10 @@ def build_app(
     )
     app[SETTINGS] = settings
     app[LOCAL_BACKEND] = local_backend
+    app[LOCAL_RUNNER] = None
     app[SESSION_INDEX] = index or MemorySessionIndex()
-    app[METRICS] = Metrics(lambda: store_stats(app))
+    # Read at scrape time, on the thread that renders the metrics (never on the event loop).
+    app[METRICS] = Metrics(lambda: store_stats(app[LOCAL_RUNNER]))
     app.cleanup_ctx.append(_http_client)
     app.on_cleanup.append(_close_local)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -84,12 +86,14 @@ def build_full_app(
     runner is enabled, its models (loaded here unless given), KV stores and backend."""
     app = build_app(settings, index=open_session_index(settings.proxy.session_index))
     if settings.local_runner.enabled:
-        from .local_setup import build_local_backend, load_models
+        from .local.build import build_local_backend, load_models
 
         models = models if models is not None else load_models(settings, base_dir)
-        app[LOCAL_BACKEND] = build_local_backend(
+        backend = build_local_backend(
             settings, app[SESSION_INDEX], app[METRICS], models, overflow=_overflow, base_dir=base_dir
         )
+        app[LOCAL_BACKEND] = backend
+        app[LOCAL_RUNNER] = backend.runner
     return app
 
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
-from .keys import LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
+from .keys import LOCAL_RUNNER, METRICS, SESSION_INDEX, SETTINGS
 from .tenant import check_client_auth, tenant_of
+
+if TYPE_CHECKING:  # torch loads only when the local runner is enabled
+    from local_runner.runner import Runner, RunnerStats
 
 
 def _sum_stats(per_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -26,27 +29,28 @@ def _sum_stats(per_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
-def local_runner(app: web.Application) -> Any | None:
-    """The local runner behind the app's backend, if it has one (a test's fake backend may not)."""
-    return getattr(app[LOCAL_BACKEND], "runner", None)
+def _per_model(snapshot: RunnerStats | None) -> dict[str, dict[str, Any]]:
+    return {name: s.to_dict() for name, s in snapshot.stores.items()} if snapshot else {}
 
 
-def store_stats(app: web.Application) -> dict[str, dict[str, Any]]:
-    stores = getattr(local_runner(app), "stores", {})
-    return {name: store.stats().to_dict() for name, store in stores.items()}
+def store_stats(runner: Runner | None) -> dict[str, dict[str, Any]]:
+    """Every model's store stats as JSON-able dicts. Blocking (it takes the stores' locks): call it off
+    the event loop."""
+    return _per_model(runner.stats() if runner else None)
 
 
 async def stats(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
     check_client_auth(request.headers, settings.proxy.api_keys)
-    per_model = store_stats(request.app)
-    runner = local_runner(request.app)
+    runner = request.app[LOCAL_RUNNER]
+    snapshot = await asyncio.to_thread(runner.stats) if runner else None
+    per_model = _per_model(snapshot)
     body = {
         "enabled": settings.attention_store.enabled,
         **_sum_stats(per_model),
         "models": per_model,
-        "runner": {"queued": runner.queue_depth, "running": runner.running, "cancelled": runner.cancelled}
-        if runner
+        "runner": {"queued": snapshot.queued, "running": snapshot.running, "cancelled": snapshot.cancelled}
+        if snapshot
         else None,
         "session_index": request.app[SESSION_INDEX].describe(),
     }
@@ -59,10 +63,8 @@ async def forget_session(request: web.Request) -> web.Response:
     check_client_auth(request.headers, settings.proxy.api_keys)
     session = request.match_info["session_id"]
     tenant = tenant_of(request.headers)
-    stores = getattr(local_runner(request.app), "stores", {})
-    dropped = 0
-    for store in stores.values():
-        dropped += await asyncio.to_thread(store.forget_session, tenant, session)
+    runner = request.app[LOCAL_RUNNER]
+    dropped = await asyncio.to_thread(runner.forget_session, tenant, session) if runner else 0
     await request.app[SESSION_INDEX].forget(tenant, session)
     body = {"id": session, "object": "attention_store.session.deleted", "deleted": True, "chunks": dropped}
     return web.Response(body=orjson.dumps(body), content_type="application/json")

@@ -10,23 +10,25 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeGuard
 
 from aiohttp import web
 
+from kvtier import TIERS, Tier
 from local_runner.jobs import Failed, Finished, FirstToken, GenerationRequest, Job, TextDelta
 from local_runner.prompt import PromptError
 from local_runner.runner import Runner
 from local_runner.worker import QueueFull
 
-from . import openai_format as fmt
-from .access_log import log_turn
-from .backend import RequestContext
-from .chat_request import ChatRequest
-from .errors import APIError, error_body, error_response
-from .headers import store_headers
-from .local_options import sampling_params, unsupported_reason
-from .metrics import Metrics
-from .session_index import SessionIndex, SessionRecord
+from .. import openai_format as fmt
+from ..access_log import log_turn
+from ..backend import RequestContext
+from ..chat_request import ChatRequest
+from ..errors import APIError, error_body, error_response
+from ..headers import CacheLevel, cache_label, store_headers
+from ..metrics import Metrics
+from ..session_index import SessionIndex, SessionRecord
+from .options import sampling_params, unsupported_reason
 
 log = logging.getLogger("attnstore")
 
@@ -34,8 +36,17 @@ OnFinish = Callable[[Finished], Awaitable[None]]
 UpstreamFallback = Callable[[web.Request, ChatRequest, RequestContext], Awaitable[web.StreamResponse]]
 
 
-def cache_level(tier: str | None, reused: int) -> str:
-    return f"{tier}_hit" if tier and reused else "miss"
+def _is_tier(name: str) -> TypeGuard[Tier]:
+    return name in TIERS
+
+
+def cache_level(tier: str | None, reused: int) -> CacheLevel:
+    """The slowest tier the turn reused KV from, or "miss" when it reused nothing."""
+    if not (tier and reused):
+        return "miss"
+    if not _is_tier(tier):
+        raise ValueError(f"the runner reported an unknown tier {tier!r}")
+    return tier
 
 
 class LocalChatBackend:
@@ -158,17 +169,20 @@ class LocalChatBackend:
                 return error_response(APIError(500, event.message, type_="server_error"), headers)
         raise AssertionError("job ended without Finished or Failed")
 
-    async def _record(self, ctx: RequestContext, done: Finished, *, cache: str, ttft_ms: float) -> None:
+    async def _record(
+        self, ctx: RequestContext, done: Finished, *, cache: CacheLevel, ttft_ms: float
+    ) -> None:
+        label = cache_label(cache)
         log_turn(
             session=ctx.session,
             turn=ctx.turn,
-            cache=cache,
+            cache=label,
             reused=done.reused_tokens,
             prompt=done.prompt_tokens,
             ttft_ms=ttft_ms,
         )
         self.metrics.observe_turn(
-            route="local", cache=cache, reused=done.reused_tokens, prompt=done.prompt_tokens, ttft_ms=ttft_ms
+            route="local", cache=label, reused=done.reused_tokens, prompt=done.prompt_tokens, ttft_ms=ttft_ms
         )
         if self.reuse and done.chunk_keys:
             record = SessionRecord(

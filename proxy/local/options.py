@@ -11,7 +11,7 @@ from typing import Any
 
 from local_runner.params import SamplingParams
 
-from .errors import bad_request
+from ..errors import bad_request
 
 
 def unsupported_reason(body: dict[str, Any]) -> str | None:

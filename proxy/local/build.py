@@ -13,10 +13,10 @@ from kvtier import KVStore, StoreConfig
 from local_runner.loader import LoadedModel, load_model
 from local_runner.runner import Runner
 
-from .local_backend import LocalChatBackend, UpstreamFallback
-from .metrics import Metrics
-from .session_index import SessionIndex
-from .settings import Settings, replica_id, resolve_path
+from ..metrics import Metrics
+from ..session_index import SessionIndex
+from ..settings import Settings, replica_id, resolve_path
+from .chat_backend import LocalChatBackend, UpstreamFallback
 
 MB = 1024 * 1024
 
