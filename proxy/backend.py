@@ -21,7 +21,6 @@ class RequestContext:
     tenant: str  # short hash of the bearer key, or "anonymous"
     session: str  # resolved session id (body field, X-Session-Id, or prefix fingerprint)
     turn: int  # user messages before the last one
-    request_id: str
 
 
 @runtime_checkable

@@ -43,8 +43,7 @@ class _StoreCollector(Collector):
             for tier, n in s.get("hits", {}).items():
                 hits.add_metric([model, tier], n)
             misses.add_metric([model], s.get("misses", 0))
-            ev = s.get("evictions", 0)
-            evictions.add_metric([model], sum(ev.values()) if isinstance(ev, dict) else ev)
+            evictions.add_metric([model], s.get("evictions", 0))
             loaded.add_metric([model], s.get("bytes_loaded", 0))
             saved.add_metric([model], s.get("bytes_saved", 0))
             pending.add_metric([model], s.get("saves_pending", 0))

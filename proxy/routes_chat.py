@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
 
 from aiohttp import web
@@ -19,9 +17,6 @@ from .session import resolve_session
 from .tenant import tenant_of
 from .upstream import forward_chat
 
-_ids = itertools.count(1)
-_ID_PREFIX = f"{os.getpid():x}{int(time.time()) & 0xFFFFFF:06x}-"
-
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     received_at = time.monotonic()
@@ -36,7 +31,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tenant=tenant_of(request.headers),
         session=session,
         turn=chat.turn,
-        request_id=f"{_ID_PREFIX}{next(_ids)}",
     )
     backend = request.app[LOCAL_BACKEND]
     route = choose_route(settings, chat, backend)

@@ -71,7 +71,6 @@ class RedisSessionIndex:
     def __init__(self, url: str, *, timeout: float = 0.5):
         import redis.asyncio as redis
 
-        self._url = url
         self._redis = redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._local = MemorySessionIndex()
         self._down_since: float | None = None

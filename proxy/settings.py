@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -178,21 +179,21 @@ def parse_settings(
     raw: bytes,
     base_dir: Path | None = None,
     *,
-    env: dict[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
     check_paths: bool = True,
 ) -> Settings:
     """Decode and validate settings from JSON bytes; relative paths are taken from `base_dir`.
 
     `check_paths=False` validates a file meant for another machine (a container's settings) without
     creating its L2 folder here."""
-    env = os.environ if env is None else env
+    environ = os.environ if env is None else env
     try:
         settings = msgspec.json.decode(raw, type=Settings)
     except msgspec.ValidationError as exc:
         raise SettingsError(f"invalid setting: {exc}") from None
     except msgspec.DecodeError as exc:
         raise SettingsError(f"not valid JSON: {exc}") from None
-    redis_url = env.get("ATTNSTORE_REDIS_URL")
+    redis_url = environ.get("ATTNSTORE_REDIS_URL")
     if redis_url:
         settings.proxy.session_index = redis_url
     _check_values(settings, base_dir or Path.cwd(), check_paths)

@@ -81,11 +81,6 @@ def response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in drop)
 
 
-@functools.lru_cache(maxsize=8)
-def _timeout(connect_s: float, read_s: float) -> aiohttp.ClientTimeout:
-    return aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=read_s)
-
-
 def request_timeout(settings: Settings) -> aiohttp.ClientTimeout:
     # No total limit (a long generation is fine); the limit is on silence: waiting for the upstream's
     # headers or its next bytes longer than upstream_timeout_s is a timeout.
