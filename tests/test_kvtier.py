@@ -15,6 +15,7 @@ import kvtier.chunk_files as files_mod
 import kvtier.saving as saving_mod
 from kvtier import KVLayout, KVLoadError, KVStore, StoreConfig
 from kvtier.chunk_files import QUARANTINE, chunk_path
+from kvtier.save_pool import SavePool
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 CHUNK = 4
@@ -45,7 +46,7 @@ def assert_restored(store: KVStore, match, layers, n: int) -> None:
     r = store.load(match)
     for i, (k, v) in enumerate(layers):
         rk, rv = r.layer(i)
-        assert rk.shape == (1, LAYOUT.num_kv_heads, n, LAYOUT.head_dim) or rk.shape[2] == n
+        assert rk.shape == rv.shape == (1, LAYOUT.num_kv_heads, n, LAYOUT.head_dim)
         assert torch.equal(rk, k[:, :, :n]) and torch.equal(rv, v[:, :, :n])
     r.wait()
 
@@ -374,21 +375,30 @@ def test_stats_shape_is_json(tmp_path):
 
 
 def test_bounded_save_queue_applies_back_pressure(tmp_path, monkeypatch):
-    gate = threading.Event()
-    real = saving_mod.write_chunk
+    gate = threading.Event()  # holds the only save worker inside its first write
+    hit_full_queue = threading.Event()
+    real_write, real_submit = saving_mod.write_chunk, SavePool.submit
 
     def slow(*a, **kw):
         gate.wait()
-        return real(*a, **kw)
+        return real_write(*a, **kw)
+
+    def submit(pool, job):
+        if pool._queue.full():
+            hit_full_queue.set()  # put() is about to block here: that is the back-pressure
+        real_submit(pool, job)
 
     monkeypatch.setattr(saving_mod, "write_chunk", slow)
+    monkeypatch.setattr(SavePool, "submit", submit)
     s = make(tmp_path, async_save=True, save_queue_chunks=1, save_workers=1)
     t = threading.Thread(target=s.put, args=("t", toks(16), kv(16)))  # 4 chunks > 1 worker + 1 queued
     t.start()
-    t.join(0.3)
-    assert t.is_alive()  # blocked by the full queue
-    assert s.stats().saves_pending == 4
-    gate.set()
+    try:
+        assert hit_full_queue.wait(10)
+        assert t.is_alive()  # the worker is gated and the queue full: put() cannot have returned
+        assert s.stats().saves_pending == 4  # every chunk reserved its L2 place before queueing
+    finally:
+        gate.set()
     t.join()
     s.flush()
     assert s.stats().saves_pending == 0 and len(files(tmp_path)) == 4
