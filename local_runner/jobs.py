@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,9 +30,8 @@ class FirstToken:
     """The prompt is processed and the first token chosen: the moment TTFT measures."""
 
     reused_tokens: int
-    tier: str | None  # fastest tier the reused KV came from ("l0"/"l1"/"l2"), None on a miss
+    tier: str | None  # the match's tier label ("l0"/"l1"/"l2"), None on a miss
     at: float  # time.monotonic()
-    prefill_seconds: float
 
 
 @dataclass
@@ -61,7 +59,6 @@ Event = FirstToken | TextDelta | Finished | Failed
 class Job:
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
         self.request = request
-        self.submitted_at = time.monotonic()
         self._loop = loop
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancelled = threading.Event()

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from kvtier import KVStore, StoreStats
 
-from .engine import JobState
+from .job_kv import JobKV
+from .job_state import JobState
 from .jobs import GenerationRequest, Job
-from .kv_cache import job_cache
 from .loader import LoadedModel
+from .packed_attention import can_pack, use_packed_attention
 from .prompt import PromptError, render_prompt, truncate_history
+from .step import Work, run_packed, run_per_job
 from .worker import Worker
+
+log = logging.getLogger("attnstore.runner")
 
 
 @dataclass(frozen=True)
@@ -36,23 +39,38 @@ class Runner:
         max_queue: int = 16,
         max_running: int = 4,
         lookahead: int = 1,
-        prefill_chunk: int = 512,
+        max_batch_tokens: int = 512,
+        kv_budget_bytes: int = 0,
         max_context_tokens: int | None = None,
         truncate_on_overflow: bool = False,
     ):
         self.models = dict(models)
         self.stores = dict(stores or {})
-        self._prefill_chunk = prefill_chunk
         self._max_context = max_context_tokens
         self._truncate = truncate_on_overflow
+        self._packed = {name: self._choose_step(lm) for name, lm in self.models.items()}
         self._worker = Worker(
             self._start_job,
             self._prefetch,
             max_queue=max_queue,
             max_running=max_running,
             lookahead=lookahead,
+            max_batch_tokens=max_batch_tokens,
+            kv_budget_bytes=kv_budget_bytes,
+            job_bytes=self._job_bytes,
+            packed=lambda state: self._packed[state.job.request.model],
             warmup=self._warmup,
         )
+
+    @staticmethod
+    def _choose_step(lm: LoadedModel) -> bool:
+        """Llama-style decoders take the packed (batched) step; any other model runs one job per forward."""
+        reason = can_pack(lm.model.config)
+        if reason is None:
+            use_packed_attention(lm.model)
+            return True
+        log.info("model %s: one forward per job (no batched steps): %s", lm.name, reason)
+        return False
 
     def serves(self, model: str) -> bool:
         return model in self.models
@@ -68,12 +86,12 @@ class Runner:
         A conversation that has outgrown the context loses its oldest turns (system messages and the
         last message stay) when truncate_on_overflow is set; otherwise it is refused with PromptError,
         as is content the runner cannot serve."""
-        lm = self.models[model]
+        tokenizer = self.models[model].tokenizers.get()
         limit = self.context_limit(model)
         reserve = max(1, min(reserve, limit // 4))
-        ids = render_prompt(lm.tokenizer, messages)
+        ids = render_prompt(tokenizer, messages)
         if len(ids) + reserve > limit and self._truncate:
-            ids = render_prompt(lm.tokenizer, truncate_history(lm.tokenizer, messages, limit - reserve))
+            ids = render_prompt(tokenizer, truncate_history(tokenizer, messages, limit - reserve))
         if len(ids) + reserve > limit:
             raise PromptError(
                 f"the prompt has {len(ids)} tokens; {model} takes at most {limit - reserve} here",
@@ -123,18 +141,21 @@ class Runner:
             store.close()
 
     def _warmup(self) -> None:
-        """One short forward per model on the worker thread, so the first client does not pay for
-        lazy initialisation (kernels, allocator arenas): it made a 40-token first prefill ~2 s slower."""
-        for lm in self.models.values():
-            with torch.inference_mode():
-                ids = torch.tensor([[lm.tokenizer.eos_token_id or 0] * 8], device=lm.device)
-                lm.model(
-                    input_ids=ids, cache=job_cache(lm.model.config, 16), use_cache=True, logits_to_keep=1
-                )
+        """One short step per model on the worker thread, so the first client does not pay for lazy
+        initialisation (kernels, allocator arenas): it made a 40-token first prefill ~2 s slower."""
+        for name, lm in self.models.items():
+            kv = JobKV(lm.layout, lm.device, 16)
+            run = run_packed if self._packed[name] else run_per_job
+            run(lm, [Work(kv, [lm.tokenizer.eos_token_id or 0] * 8, want_logits=True)])
+            run(lm, [Work(kv, [lm.tokenizer.eos_token_id or 0], want_logits=True)])
+
+    def _job_bytes(self, job: Job) -> int:
+        req = job.request
+        return (len(req.prompt_ids) + req.sampling.max_tokens) * self.models[req.model].layout.bytes_per_token
 
     def _start_job(self, job: Job) -> JobState:
         req = job.request
-        return JobState(job, self.models[req.model], self.stores.get(req.model), self._prefill_chunk)
+        return JobState(job, self.models[req.model], self.stores.get(req.model))
 
     def _prefetch(self, job: Job) -> None:
         req = job.request

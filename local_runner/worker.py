@@ -1,8 +1,12 @@
-"""The one thread that owns the model: admits jobs from a bounded queue and interleaves them step by step.
+"""The one thread that owns the models: admits jobs from a bounded queue and runs them in batched steps.
 
-Compute never runs on the event loop. Each round gives every running job one step (a prefill chunk or
-one decoded token), so a long answer or a long prompt does not hold a short one back. Jobs waiting in
-the queue are the scheduler's hint: their stored KV is fetched towards the fast tiers before they run.
+Compute never runs on the event loop. Each step is one forward over the next tokens of every running
+job that is ready: one decode token per decoding job, then prompt chunks of starting jobs under a token
+budget (`max_batch_tokens`), so a long new prompt and the running streams share each step (chunked
+prefill) and neither starves. A job whose stored KV is still loading stays out of the step until its
+restore is ready, unless nothing else can run (then it runs alone and its layers load while the model
+computes the earlier ones). Jobs waiting in the queue are the scheduler's hint: their stored KV is
+fetched towards the fast tiers before they run.
 """
 
 from __future__ import annotations
@@ -12,10 +16,16 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from .engine import JobState
+from kvtier import KVLoadError
+
+from .job_state import JobState
 from .jobs import Failed, Finished, Job
+from .step import Work, run_packed, run_per_job
 
 log = logging.getLogger("attnstore.runner")
+
+# The least a step gives prefill when decoding jobs use up the budget, so a new turn always advances.
+MIN_PREFILL_TOKENS = 32
 
 
 class QueueFull(RuntimeError):
@@ -31,6 +41,10 @@ class Worker:
         max_queue: int,
         max_running: int,
         lookahead: int,
+        max_batch_tokens: int = 512,
+        kv_budget_bytes: int = 0,
+        job_bytes: Callable[[Job], int] = lambda job: 0,
+        packed: Callable[[JobState], bool] = lambda s: True,
         warmup: Callable[[], None] | None = None,
     ):
         self._warmup = warmup
@@ -39,12 +53,17 @@ class Worker:
         self._max_queue = max_queue
         self._max_running = max_running
         self._lookahead = lookahead
+        self._max_batch_tokens = max(1, max_batch_tokens)
+        self._kv_budget = kv_budget_bytes  # 0: no limit beyond max_running
+        self._job_bytes = job_bytes
+        self._packed = packed
         self._pending: deque[Job] = deque()
         self._running: list[JobState] = []
         self._prefetched: set[int] = set()
         self._cond = threading.Condition()
         self._stopping = False
         self.cancelled = 0  # jobs stopped because their client went away
+        self.steps = 0  # forwards run (a packed step counts once)
         self._thread = threading.Thread(target=self._run, name="attnstore-runner", daemon=True)
         self._thread.start()
 
@@ -71,6 +90,8 @@ class Worker:
             self._cond.notify()
         self._thread.join(timeout)
 
+    # -- the loop -------------------------------------------------------------------------------------
+
     def _run(self) -> None:
         if self._warmup is not None:
             try:
@@ -83,9 +104,7 @@ class Worker:
                     self._cond.wait()
                 if self._stopping:
                     break
-                admitted = []
-                while self._pending and len(self._running) + len(admitted) < self._max_running:
-                    admitted.append(self._pending.popleft())
+                admitted = self._take_admissible()
                 upcoming = [
                     j for j in list(self._pending)[: self._lookahead] if id(j) not in self._prefetched
                 ]
@@ -95,12 +114,23 @@ class Worker:
             for job in upcoming:
                 self._prefetched.add(id(job))
                 self._safe_prefetch(job)
-            for state in list(self._running):
-                state.step()
-                if state.finished:
-                    self._running.remove(state)
-                    self.cancelled += state.finish_reason == "cancelled"
+            self._drop_cancelled()
+            self._step()
+            self._running = [s for s in self._running if not s.finished]
         self._fail_all("the local runner stopped")
+
+    def _take_admissible(self) -> list[Job]:
+        """Jobs from the head of the queue that fit: a free slot, and KV room within the budget (a job
+        that does not fit waits; the first job always runs when nothing else does)."""
+        taken: list[Job] = []
+        reserved = sum(s.kv.nbytes_reserved for s in self._running)
+        while self._pending and len(self._running) + len(taken) < self._max_running:
+            need = self._job_bytes(self._pending[0])
+            if self._kv_budget and (self._running or taken) and reserved + need > self._kv_budget:
+                break
+            taken.append(self._pending.popleft())
+            reserved += need
+        return taken
 
     def _admit(self, job: Job) -> None:
         if job.cancelled:  # its client left while it waited: end it like a cancelled running job
@@ -108,10 +138,91 @@ class Worker:
             self.cancelled += 1
             return
         try:
-            self._running.append(self._start_job(job))
+            state = self._start_job(job)
+            state.begin()
         except Exception as exc:
             log.exception("could not start a job")
             job.emit(Failed(f"could not start: {exc}"))
+            return
+        self._running.append(state)
+
+    def _drop_cancelled(self) -> None:
+        for state in self._running:
+            if not state.finished and state.job.cancelled:
+                state.finish("cancelled")
+                self.cancelled += 1
+
+    # -- one step -------------------------------------------------------------------------------------
+
+    def _plan(self) -> list[tuple[JobState, Work]]:
+        live = [s for s in self._running if not s.finished]
+        for s in live:
+            s.settle_restore()
+        ready = [s for s in live if not s.restoring]
+        if not ready and live:
+            ready = live[:1]  # nothing else to run: this one computes while its layers load
+        plan: list[tuple[JobState, Work]] = []
+        decoding = [s for s in ready if not s.prefilling]
+        for s in decoding:
+            plan.append((s, Work(s.kv, s.next_tokens(1), want_logits=True)))
+        budget = max(self._max_batch_tokens - len(decoding), MIN_PREFILL_TOKENS)
+        for s in ready:
+            if budget <= 0:
+                break
+            if s.prefilling:
+                tokens = s.next_tokens(budget)
+                done = len(s.fed_ids) + len(tokens) >= len(s.job.request.prompt_ids)
+                plan.append((s, Work(s.kv, tokens, want_logits=done)))
+                budget -= len(tokens)
+        return plan
+
+    def _step(self) -> None:
+        plan = self._plan()
+        if not plan:
+            return
+        by_model: dict[int, list[tuple[JobState, Work]]] = {}
+        for item in plan:
+            by_model.setdefault(id(item[0].lm), []).append(item)
+        for items in by_model.values():
+            if self._packed(items[0][0]):
+                self._run_packed(items)
+            else:
+                for item in items:
+                    self._run_isolated([item], run_per_job)
+
+    def _run_packed(self, items: list[tuple[JobState, Work]]) -> None:
+        try:
+            self._forward(items, run_packed)
+        except KVLoadError:
+            # A job running alone on a restore that failed mid-way: it recomputes; the step is redone.
+            for state, _ in items:
+                if state.restored is not None:
+                    state.recompute(KVLoadError("restore failed"))
+        except Exception:
+            if len(items) == 1:
+                self._run_isolated(items, run_packed)
+                return
+            log.warning("a batched step failed; running its jobs one by one to find the failing one")
+            for item in items:
+                self._run_isolated([item], run_packed)
+
+    def _run_isolated(self, items: list[tuple[JobState, Work]], run) -> None:
+        state = items[0][0]
+        try:
+            self._forward(items, run)
+        except KVLoadError as exc:
+            state.recompute(exc)
+        except Exception as exc:  # a bug or an OOM ends this job only, never the worker
+            state.fail(exc)
+
+    def _forward(self, items: list[tuple[JobState, Work]], run) -> None:
+        lm = items[0][0].lm
+        logits = run(lm, [w for _, w in items])
+        self.steps += 1
+        for (state, work), row in zip(items, logits, strict=True):
+            state.advance(work.tokens, row)
+
+    # -- helpers --------------------------------------------------------------------------------------
 
     def _safe_prefetch(self, job: Job) -> None:
         try:
@@ -121,7 +232,7 @@ class Worker:
 
     def _fail_all(self, message: str) -> None:
         with self._cond:
-            jobs = [s.job for s in self._running] + list(self._pending)
+            jobs = [s.job for s in self._running if not s.finished] + list(self._pending)
             self._running.clear()
             self._pending.clear()
         for job in jobs:

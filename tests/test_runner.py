@@ -151,3 +151,39 @@ def test_overflowing_history_drops_oldest_turns_when_allowed(smollm):
     finally:
         strict.close()
         lenient.close()
+
+
+async def test_concurrent_jobs_answer_as_each_alone(smollm):
+    """Four chats of different lengths share batched steps; each answer equals model.generate alone."""
+    prompts = [
+        "Name three colors.",
+        "Write a haiku about the sea, then explain it in two sentences.",
+        "What is 2+2?",
+        "List the planets of the solar system in order from the sun.",
+    ]
+    runner = Runner({MODEL: smollm}, max_running=4, max_queue=4)
+    try:
+        results = await asyncio.gather(
+            *(
+                run_job(runner, [{"role": "user", "content": p}], max_tokens=16, temperature=0)
+                for p in prompts
+            )
+        )
+    finally:
+        runner.close()
+    for text, _, end, ids in results:
+        with torch.inference_mode():
+            out = smollm.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+        assert text == smollm.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+        assert isinstance(end, Finished)
+
+
+async def test_rendering_from_many_threads_while_generating(runner):
+    """The proxy renders prompts on executor threads while the worker decodes: no "Already borrowed"."""
+    messages = [{"role": "user", "content": "Tell me about tokenizers and threads."}]
+    expected = runner.render(MODEL, messages)
+    job = asyncio.ensure_future(run_job(runner, COLORS, max_tokens=32, temperature=0))
+    rendered = await asyncio.gather(*(asyncio.to_thread(runner.render, MODEL, messages) for _ in range(16)))
+    text, _, end, _ = await job
+    assert all(ids == expected for ids in rendered)
+    assert text and isinstance(end, Finished)

@@ -1,0 +1,184 @@
+"""One running job between steps: its reused KV, how much of its prompt is fed, what it has generated.
+
+The worker decides what runs in each step; a JobState says what its job needs next (`next_tokens`) and
+takes the result (`advance`). Prefill reuses the longest stored KV prefix for the job's tenant and model
+and computes only the rest; a stored chunk that fails to load is never fatal: the job recomputes from
+scratch. When the job ends, the KV of every token it fed (prompt + answer) goes back to the store,
+which keeps only the chunks it lacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import ExitStack
+
+import torch
+
+from kvtier import KVLoadError, KVStore, PrefixMatch, RestoredKV
+
+from .job_kv import JobKV
+from .jobs import Failed, Finished, FirstToken, Job, TextDelta
+from .loader import LoadedModel
+from .sampling import Sampler
+from .text_stream import TextStream
+
+log = logging.getLogger("attnstore.runner")
+
+
+class JobState:
+    def __init__(self, job: Job, lm: LoadedModel, store: KVStore | None):
+        self.job = job
+        self.lm = lm
+        self.store = store if job.request.reuse else None
+        req = job.request
+        self.sampler = Sampler(req.sampling)
+        self.text = TextStream(lm.tokenizers.get(), req.sampling.stop)
+        self.capacity = len(req.prompt_ids) + req.sampling.max_tokens
+        self.fed_ids: list[int] = []  # tokens whose KV is in self.kv
+        self.generated: list[int] = []
+        self.pending_token: int | None = None  # sampled, not yet fed
+        self.match: PrefixMatch | None = None
+        self.restored: RestoredKV | None = None  # until the restore is known to have succeeded
+        self.reused = 0
+        self._pins = ExitStack()
+        self.kv = JobKV(lm.layout, lm.device, self.capacity)
+        self.finished = False
+        self.finish_reason: str | None = None
+
+    # -- start ----------------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Find the stored prefix and start restoring it in the background (never waits for it)."""
+        req = self.job.request
+        if self.store is None:
+            return
+        # The last prompt token is always computed: its logits choose the first answer token.
+        match = self.store.lookup(req.namespace, req.prompt_ids[:-1], hint_keys=req.hint_keys)
+        if not match.tokens:
+            return
+        self._pins.enter_context(self.store.acquire(match))
+        self.match = match
+        self.restored = self.store.load(match, capacity=self.capacity)
+        self.kv = JobKV(self.lm.layout, self.lm.device, self.capacity, self.restored, match.tokens)
+        self.fed_ids = list(req.prompt_ids[: match.tokens])
+        self.reused = match.tokens
+
+    @property
+    def restoring(self) -> bool:
+        """Its stored KV is still being read: a batch with other jobs leaves it out (never waits on a disk)."""
+        return self.restored is not None and not self.restored.ready
+
+    def settle_restore(self) -> None:
+        """Once the restore is ready: keep it, or recompute from scratch if it failed."""
+        if self.restored is None or not self.restored.ready:
+            return
+        try:
+            self.restored.wait()
+        except KVLoadError as exc:
+            self.recompute(exc)
+        else:
+            self.restored = None
+
+    def recompute(self, exc: BaseException) -> None:
+        log.warning("stored KV unreadable (%s); recomputing the prompt", exc)
+        self._pins.close()
+        self.match, self.restored, self.reused = None, None, 0
+        self.kv.drop_restored()
+        self.fed_ids = []
+
+    # -- steps ----------------------------------------------------------------------------------------
+
+    @property
+    def prefilling(self) -> bool:
+        return len(self.fed_ids) < len(self.job.request.prompt_ids)
+
+    def next_tokens(self, budget: int) -> list[int]:
+        """The tokens to feed in the next step: up to `budget` of the prompt, or the one sampled token."""
+        if self.prefilling:
+            start = len(self.fed_ids)
+            return list(self.job.request.prompt_ids[start : start + max(1, budget)])
+        assert self.pending_token is not None
+        return [self.pending_token]
+
+    def advance(self, fed: list[int], logits: torch.Tensor | None) -> None:
+        """The step fed `fed` (their KV is in self.kv); `logits` score the next token after them, given
+        when the prompt is complete. Never raises: a failure ends this job only."""
+        try:
+            self.fed_ids.extend(fed)
+            if logits is None:
+                return
+            if self.pending_token is None:
+                self._first_token(logits)
+            else:
+                self._accept(self.sampler(logits))
+        except Exception as exc:
+            self.fail(exc)
+
+    def _first_token(self, logits: torch.Tensor) -> None:
+        self._pins.close()  # the restored KV lives in the job's own buffers now
+        token = self.sampler(logits)
+        self.job.emit(
+            FirstToken(
+                reused_tokens=self.reused,
+                tier=self.match.tier if self.match and self.reused else None,
+                at=time.monotonic(),
+            )
+        )
+        self._accept(token)
+
+    def _accept(self, token: int) -> None:
+        if token in self.lm.eos_token_ids:
+            self.finish("stop")
+            return
+        self.generated.append(token)
+        delta = self.text.push(token)
+        if delta:
+            self.job.emit(TextDelta(delta))
+        if self.text.stopped:
+            self.finish("stop")
+        elif len(self.generated) >= self.job.request.sampling.max_tokens:
+            self.finish("length")
+        else:
+            self.pending_token = token
+
+    # -- end ------------------------------------------------------------------------------------------
+
+    def fail(self, exc: BaseException) -> None:
+        log.error("job failed: %s", exc, exc_info=exc)
+        self._end()
+        self.job.emit(Failed(f"local generation failed: {exc}"))
+
+    def finish(self, reason: str) -> None:
+        self._end()
+        self.finish_reason = reason
+        rest = self.text.finish() if reason != "cancelled" else ""
+        if rest:
+            self.job.emit(TextDelta(rest))
+        keys = self._save()
+        req = self.job.request
+        self.job.emit(
+            Finished(
+                finish_reason=reason,
+                prompt_tokens=len(req.prompt_ids),
+                completion_tokens=len(self.generated),
+                reused_tokens=self.reused,
+                chunk_keys=keys,
+            )
+        )
+
+    def _end(self) -> None:
+        self._pins.close()
+        self.finished = True
+
+    def _save(self) -> list[str]:
+        """Hand the KV of every fed token to the store before the job reports its end, so the client's
+        next turn (which may follow at once) finds it. The store copies only chunks it lacks."""
+        if self.store is None or not self.fed_ids or self.restored is not None:
+            return []
+        req = self.job.request
+        try:
+            return self.store.put(req.namespace, self.fed_ids, self.kv.layers(), session=req.session)
+        except Exception:  # saving is an optimisation: the answer stands without it
+            log.exception("saving KV failed; the answer is unaffected")
+            return []

@@ -1,0 +1,76 @@
+"""One forward for a step's work: packed (every job in one forward) or per job, for other architectures.
+
+The caller plans the step (which jobs, how many tokens each); this module only runs it. A job's KV
+length advances only when the whole forward succeeded, so a failed step can be retried as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .job_kv import JobKV
+from .kv_cache import job_cache
+from .loader import LoadedModel
+from .packed_attention import PLAN_KWARG, PackedPlan, Segment
+
+
+@dataclass
+class Work:
+    """Tokens to feed one job in this step; `want_logits` when the next token is sampled after them."""
+
+    kv: JobKV
+    tokens: list[int]
+    want_logits: bool
+
+
+@torch.inference_mode()
+def run_packed(lm: LoadedModel, work: list[Work]) -> list[torch.Tensor | None]:
+    """All jobs' new tokens as one sequence, each at its own positions, attention per job."""
+    ids: list[int] = []
+    positions: list[int] = []
+    segments: list[Segment] = []
+    keep: list[int] = []
+    for w in work:
+        n = len(w.tokens)
+        segments.append(Segment(w.kv, len(ids), n))
+        positions.extend(range(w.kv.length, w.kv.length + n))
+        ids.extend(w.tokens)
+        if w.want_logits:
+            keep.append(len(ids) - 1)
+    dev = lm.device
+    out = lm.model(
+        input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+        position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
+        use_cache=False,
+        logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
+        **{PLAN_KWARG: PackedPlan(segments)},
+    )
+    logits = out.logits[0]
+    result: list[torch.Tensor | None] = []
+    row = 0
+    for w in work:
+        w.kv.length += len(w.tokens)
+        if w.want_logits:
+            result.append(logits[row])
+            row += 1
+        else:
+            result.append(None)
+    return result
+
+
+@torch.inference_mode()
+def run_per_job(lm: LoadedModel, work: list[Work]) -> list[torch.Tensor | None]:
+    """One forward per job through a transformers cache over its buffers (any causal LM)."""
+    result: list[torch.Tensor | None] = []
+    for w in work:
+        out = lm.model(
+            input_ids=torch.tensor([w.tokens], dtype=torch.long, device=lm.device),
+            cache=job_cache(lm.model.config, w.kv),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        w.kv.length += len(w.tokens)
+        result.append(out.logits[0, -1] if w.want_logits else None)
+    return result

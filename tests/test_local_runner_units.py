@@ -1,0 +1,176 @@
+"""The runner's parts without the real model: packed steps, job KV buffers, text streaming, truncation,
+dtype choice, and tokenizers across threads (a tiny random Llama and a character tokenizer)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from local_runner.job_kv import JobKV
+from local_runner.loader import ThreadTokenizers, resolve_dtype
+from local_runner.packed_attention import can_pack
+from local_runner.prompt import render_prompt, truncate_history
+from local_runner.step import Work, run_packed, run_per_job
+from local_runner.text_stream import TextStream
+from tests.tiny_model import tiny_llama, tiny_loaded, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from local_runner.packed_attention import use_packed_attention
+
+    lm = tiny_loaded()
+    use_packed_attention(lm.model)
+    return lm
+
+
+def _kv(lm, capacity=64):
+    return JobKV(lm.layout, lm.device, capacity)
+
+
+def _feed_alone(lm, kv, tokens):
+    """Reference: one job alone through transformers' own cache path (plain SDPA attention)."""
+    return run_per_job(lm, [Work(kv, tokens, want_logits=True)])[0]
+
+
+def test_packed_step_equals_each_job_alone(tiny):
+    """Two decoding jobs and two prefilling ones (one with history) in one forward: every job's logits
+    and K/V are those it gets alone."""
+    g = torch.Generator().manual_seed(1)
+    histories = [[], [5, 6, 7], [9] * 11, list(range(2, 30))]
+    new = [list(torch.randint(2, 60, (n,), generator=g).tolist()) for n in (1, 1, 7, 13)]
+    batched = [_kv(tiny) for _ in histories]
+    alone = [_kv(tiny) for _ in histories]
+    for kv_b, kv_a, hist in zip(batched, alone, histories, strict=True):
+        if hist:
+            run_packed(tiny, [Work(kv_b, hist, want_logits=False)])
+            _feed_alone(tiny, kv_a, hist)
+    out = run_packed(tiny, [Work(kv, toks, want_logits=True) for kv, toks in zip(batched, new, strict=True)])
+    for kv_b, kv_a, toks, logits in zip(batched, alone, new, out, strict=True):
+        ref = _feed_alone(tiny, kv_a, toks)
+        assert logits is not None
+        assert torch.allclose(logits, ref, atol=1e-4), (logits - ref).abs().max()
+        assert kv_b.length == kv_a.length
+        for (kb, vb), (ka, va) in zip(kv_b.layers(), kv_a.layers(), strict=True):
+            assert torch.allclose(kb, ka, atol=1e-5) and torch.allclose(vb, va, atol=1e-5)
+
+
+def test_packed_step_keeps_only_the_logits_asked_for(tiny):
+    a, b = _kv(tiny), _kv(tiny)
+    out = run_packed(tiny, [Work(a, [3, 4, 5], want_logits=False), Work(b, [6], want_logits=True)])
+    assert out[0] is None and out[1] is not None and out[1].shape == (tiny.model.config.vocab_size,)
+    assert (a.length, b.length) == (3, 1)
+
+
+def test_plain_generate_is_unchanged_by_the_packed_attention():
+    """Switching a model to the packed attention leaves callers that pass no plan on plain SDPA."""
+    from local_runner.packed_attention import use_packed_attention
+
+    plain, packed = tiny_llama(seed=3), tiny_llama(seed=3)
+    use_packed_attention(packed)
+    ids = torch.tensor([[5, 9, 13, 2, 40]])
+    with torch.inference_mode():
+        a = plain.generate(ids, max_new_tokens=8, do_sample=False)
+        b = packed.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(a, b)
+
+
+def test_job_kv_grows_keeping_its_contents_and_crops():
+    lm = tiny_loaded()
+    kv = JobKV(lm.layout, lm.device, capacity=4)
+    d = lm.layout.head_dim
+    k = torch.arange(2 * 3 * d, dtype=torch.float32).reshape(1, 2, 3, d)
+    for i in range(kv.num_layers):
+        kv.write(i, k, k + 1)
+    kv.length = 3
+    k2 = torch.full((1, 2, 5, d), 7.0)
+    keys, values = kv.write(0, k2, k2)  # 3 + 5 > 4: the buffer grows
+    assert keys.shape[-2] == 8 and kv.layer(0)[0].shape[-2] >= 8
+    assert torch.equal(keys[:, :, :3], k) and torch.equal(values[:, :, 3:], k2)
+    kv.crop(2)
+    assert kv.length == 2 and all(kk.shape[-2] == 2 for kk, _ in kv.layers())
+    assert kv.nbytes_reserved >= 8 * lm.layout.bytes_per_token
+
+
+def test_text_stream_holds_back_a_possible_stop_and_cuts_at_it():
+    tok = tiny_tokenizer()
+    ids = tok.encode("one two. three", add_special_tokens=False)
+    stream = TextStream(tok, ["two."])
+    sent = ""
+    for i in ids:
+        sent += stream.push(i)
+        assert "two" not in sent  # never sent before the stop string is ruled out or matched
+        if stream.stopped:
+            break
+    assert stream.stopped and sent == "one "
+    assert stream.finish() == ""
+
+
+def test_text_stream_without_stops_sends_everything():
+    tok = tiny_tokenizer()
+    stream = TextStream(tok, [])
+    text = "".join(stream.push(i) for i in tok.encode("Hi there!", add_special_tokens=False))
+    assert text + stream.finish() == "Hi there!"
+
+
+def test_truncate_history_keeps_system_and_last_message():
+    tok = tiny_tokenizer()
+    messages = [{"role": "system", "content": "sys"}]
+    for i in range(5):
+        messages += [
+            {"role": "user", "content": f"question {i}"},
+            {"role": "assistant", "content": f"answer {i}"},
+        ]
+    messages.append({"role": "user", "content": "last"})
+    full = len(render_prompt(tok, messages))
+    kept = truncate_history(tok, messages, full - 20)
+    assert kept[0]["content"] == "sys" and kept[-1]["content"] == "last"
+    assert len(render_prompt(tok, kept)) <= full - 20
+    assert kept[1]["role"] == "user" and "question 0" not in [m["content"] for m in kept]
+
+
+def test_dtype_auto_follows_the_cpu():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", cpu, frozenset({"avx2", "avx512_bf16"})) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, frozenset({"avx2", "amx_bf16"})) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, frozenset({"avx2", "avx512f"})) == torch.float32
+    assert resolve_dtype("auto", cuda, frozenset()) == torch.bfloat16
+    assert resolve_dtype("float32", cpu, frozenset({"avx512_bf16"})) == torch.float32
+
+
+def test_only_llama_style_models_take_the_packed_step():
+    assert can_pack(tiny_llama().config) is None
+    gpt2 = type("Cfg", (), {"model_type": "gpt2"})()
+    assert "gpt2" in (can_pack(gpt2) or "")
+    windowed = type(
+        "Cfg", (), {"model_type": "mistral", "sliding_window": 64, "max_position_embeddings": 4096}
+    )()
+    assert "sliding" in (can_pack(windowed) or "")
+
+
+def test_each_thread_gets_its_own_tokenizer():
+    tokenizers = ThreadTokenizers(tiny_tokenizer())
+    seen: dict[str, int] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def work(name: str) -> None:
+        try:
+            start.wait()
+            tok = tokenizers.get()
+            assert tokenizers.get() is tok
+            seen[name] = id(tok)
+            for _ in range(200):
+                assert tok.decode(tok.encode("abc def", add_special_tokens=False)) == "abc def"
+        except BaseException as e:  # collected: an assertion in a thread must fail the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(f"t{i}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(set(seen.values())) == 8
