@@ -9,7 +9,9 @@ import importlib.util
 import logging
 import sys
 
-from .settings import SettingsError, load_settings
+from aiohttp import web
+
+from .settings import Settings, SettingsError, load_settings
 
 
 def setup_logging(level: str) -> None:
@@ -31,13 +33,23 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
-    from local_runner.loader import ModelLoadError
-
+def build(settings: Settings) -> web.Application | None:
+    """The app `serve` runs, or None (logged in one line) when a local model cannot load. torch loads only
+    when the local runner is enabled: an upstream-only proxy (or a bad settings file) starts in a blink."""
     from .app import build_full_app
 
+    if not settings.local_runner.enabled:
+        return build_full_app(settings)
+    from local_runner.loader import ModelLoadError
+
+    try:
+        return build_full_app(settings)
+    except ModelLoadError as exc:  # a model that cannot load: one clear line, not a traceback
+        logging.getLogger("attnstore").error("cannot start: %s", exc)
+        return None
+
+
+def serve(args: argparse.Namespace) -> int:
     try:
         settings, _ = load_settings(args.settings)
     except SettingsError as exc:
@@ -46,10 +58,8 @@ def serve(args: argparse.Namespace) -> int:
     setup_logging(settings.proxy.log_level)
     host = args.host or settings.proxy.host
     port = settings.proxy.port if args.port is None else args.port
-    try:
-        app = build_full_app(settings)
-    except ModelLoadError as exc:  # a model that cannot load: one clear line, not a traceback
-        logging.getLogger("attnstore").error("cannot start: %s", exc)
+    app = build(settings)
+    if app is None:
         return 1
     logging.getLogger("attnstore").info("serving on http://%s:%d", host, port)
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream call.

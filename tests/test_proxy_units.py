@@ -2,6 +2,7 @@ import pytest
 
 from proxy.chat_request import count_turn
 from proxy.errors import APIError
+from proxy.headers import CACHE, cache_label, store_headers
 from proxy.session import prefix_fingerprint, resolve_session
 from proxy.tenant import check_client_auth, tenant_of
 from proxy.upstream import prompt_tokens_from_sse_tail, request_headers, upstream_url
@@ -84,3 +85,18 @@ def test_prompt_tokens_from_sse_tail():
     tail = b'data: {"choices":[]}\n\ndata: {"choices":[],"usage":{"prompt_tokens":42}}\n\ndata: [DONE]\n\n'
     assert prompt_tokens_from_sse_tail(tail) == 42
     assert prompt_tokens_from_sse_tail(b"data: [DONE]\n\n") == 0
+
+
+def test_cache_labels_come_from_kvtiers_tiers():
+    from kvtier import TIERS
+
+    assert [cache_label(t) for t in TIERS] == ["l0_hit", "l1_hit", "l2_hit"]
+    assert cache_label("miss") == "miss" and cache_label("bypass") == "bypass"
+    headers = store_headers(cache="l1", route="local", reused=32, session="s", ttft_ms=1.234)
+    assert headers == {
+        CACHE: "l1_hit",
+        "X-AttentionStore-Route": "local",
+        "X-AttentionStore-Reused-Tokens": "32",
+        "X-AttentionStore-Session": "s",
+        "X-AttentionStore-TTFT-Ms": "1.23",
+    }
