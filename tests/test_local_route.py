@@ -140,9 +140,10 @@ def test_models_lists_the_local_model(local_proxy):
     assert MODEL in [m["id"] for m in data]
 
 
-async def queued(http: aiohttp.ClientSession, url: str, n: int) -> bool:
+async def runner_is(http: aiohttp.ClientSession, url: str, **want: int) -> bool:
     async with http.get(url + "/v1/attention_store/stats") as resp:
-        return (await resp.json())["runner"]["queued"] == n
+        runner = (await resp.json())["runner"]
+    return all(runner[k] == v for k, v in want.items())
 
 
 async def test_queue_full_is_503_and_disconnect_cancels(local_proxy):
@@ -159,15 +160,17 @@ async def test_queue_full_is_503_and_disconnect_cancels(local_proxy):
         running = await http.post(url, json=long)  # streaming: its headers arrive with the first token
         waiting = asyncio.ensure_future(http.post(url, json={**long, "max_tokens": 2, "stream": False}))
         # The second request waits in the queue (the first holds the only running slot): the queue is full.
-        await async_wait_until(lambda: queued(http, server.url, 1), "the second request queued", 30)
+        await async_wait_until(lambda: runner_is(http, server.url, queued=1), "the second request queued", 30)
         refused = await http.post(url, json={**long, "max_tokens": 2, "stream": False})
         assert refused.status == 503
         assert (await refused.json())["error"]["code"] == "queue_full"
         running.close()  # the client goes away mid-stream: its job must stop and free the worker
         finished = await waiting
         assert finished.status == 200
-    stats = orjson.loads(urllib3.request("GET", server.url + "/v1/attention_store/stats").data)
-    assert stats["runner"] == {"queued": 0, "running": 0, "cancelled": 1}
+        # The worker settles its counts just after the last job's answer went out.
+        await async_wait_until(
+            lambda: runner_is(http, server.url, queued=0, running=0, cancelled=1), "the runner idle", 10
+        )
 
 
 def test_a_prompt_longer_than_the_context_is_a_400_naming_it(local_proxy):
