@@ -70,10 +70,14 @@ class JobKV:
     def write(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> KV:
         """Write K/V of new tokens ([1, heads, n, head_dim]) at [length, length + n) of layer i; returns
         views of that layer's K/V up to length + n (what attention reads)."""
-        end = self.length + keys.shape[-2]
-        k, v = self.layer(i, end)
-        k[:, :, self.length : end].copy_(keys)
-        v[:, :, self.length : end].copy_(values)
+        start = self.length
+        end = start + keys.shape[-2]
+        kv = self._layers[i]
+        if kv is None or end > kv[0].shape[-2]:
+            kv = self.layer(i, end)
+        k, v = kv
+        k[:, :, start:end] = keys
+        v[:, :, start:end] = values
         return k[:, :, :end], v[:, :, :end]
 
     def crop(self, length: int) -> None:

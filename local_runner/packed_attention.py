@@ -75,7 +75,7 @@ def packed_attention(
         )
     layer = module.layer_idx
     heads, head_dim = query.shape[1], query.shape[-1]
-    out = query.new_empty(1, query.shape[2], heads, head_dim)
+    outs: list[torch.Tensor] = []
     for seg in plan.segments:
         s, n = seg.offset, seg.n
         past = seg.kv.length
@@ -88,7 +88,7 @@ def packed_attention(
             o = F.scaled_dot_product_attention(
                 q.reshape(1, kv_heads, heads // kv_heads, head_dim), k, v, scale=scaling
             )
-            out[:, s] = o.reshape(1, heads, head_dim)
+            outs.append(o.reshape(1, 1, heads, head_dim))
         else:
             o = F.scaled_dot_product_attention(
                 q,
@@ -99,8 +99,8 @@ def packed_attention(
                 scale=scaling,
                 enable_gqa=True,
             )
-            out[:, s : s + n] = o.transpose(1, 2)
-    return out, None
+            outs.append(o.transpose(1, 2))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
 def register() -> None:

@@ -43,12 +43,14 @@ class Runner:
         kv_budget_bytes: int = 0,
         max_context_tokens: int | None = None,
         truncate_on_overflow: bool = False,
+        batch: bool = True,
     ):
         self.models = dict(models)
         self.stores = dict(stores or {})
         self._max_context = max_context_tokens
         self._truncate = truncate_on_overflow
-        self._packed = {name: self._choose_step(lm) for name, lm in self.models.items()}
+        # batch=False: one forward per job per step for every model (a benchmark's same-run baseline).
+        self._packed = {name: batch and self._choose_step(lm) for name, lm in self.models.items()}
         self._worker = Worker(
             self._start_job,
             self._prefetch,
@@ -130,6 +132,17 @@ class Runner:
             cancelled=self.cancelled,
             stores={name: store.stats() for name, store in self.stores.items()},
         )
+
+    def describe(self) -> dict[str, dict[str, object]]:
+        """Per served model: where and how it runs (for /healthz)."""
+        return {
+            name: {
+                "device": str(lm.device),
+                "dtype": str(lm.dtype).removeprefix("torch."),
+                "batched": self._packed[name],
+            }
+            for name, lm in self.models.items()
+        }
 
     def forget_session(self, namespace: str, session: str) -> int:
         """Drop one tenant's session from every model's store; returns the chunks dropped. Blocking."""

@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from .keys import HTTP_CLIENT, LOCAL_BACKEND, SETTINGS
+from .keys import HTTP_CLIENT, LOCAL_BACKEND, LOCAL_RUNNER, SETTINGS
 from .settings import replica_id
 from .upstream import request_headers, upstream_url
 
@@ -67,4 +67,7 @@ async def healthz(request: web.Request) -> web.Response:
         "local_models": list(settings.local_runner.models) if settings.local_runner.enabled else [],
         "local_backend": request.app[LOCAL_BACKEND] is not None,
     }
+    runner = request.app[LOCAL_RUNNER]
+    if runner is not None:
+        status["local"] = runner.describe()
     return web.Response(body=orjson.dumps(status), content_type="application/json")

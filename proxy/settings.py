@@ -96,8 +96,15 @@ class LocalRunnerSettings(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     models: dict[str, str] = field(default_factory=lambda: {DEFAULT_MODEL_NAME: DEFAULT_MODEL_SOURCE})
     max_queue: PositiveInt = 16
-    # Jobs decoding at once; more wait in the queue (up to max_queue) and are interleaved token by token.
+    # Jobs in one batched step; more wait in the queue (up to max_queue).
     max_running: PositiveInt = 4
+    # Tokens one batched step feeds at most: every decoding job's next token, then prompt chunks of
+    # starting jobs (chunked prefill). Lower: smoother streams while a long prompt arrives; higher:
+    # that prompt's first token sooner.
+    max_batch_tokens: Annotated[int, Meta(ge=16)] = 512
+    # KV memory the running jobs' buffers may take (prompt + max_tokens each); a job that would go
+    # past it waits in the queue. 0: bounded by max_running only.
+    max_running_kv_mb: NonNegativeInt = 0
     max_tokens_default: PositiveInt = 512
     kv_chunk_tokens: PositiveInt = 256
     # Where converted weights are cached (the GGUF de-quantization runs once).

@@ -81,6 +81,8 @@ def build_local_backend(
         open_stores(settings, models, base_dir),
         max_queue=lr.max_queue,
         max_running=lr.max_running,
+        max_batch_tokens=lr.max_batch_tokens,
+        kv_budget_bytes=lr.max_running_kv_mb * MB,
         lookahead=preload.lookahead_turns if (preload.enabled and aware.enabled) else 0,
         max_context_tokens=settings.attention_store.position_encoding.max_context_tokens,
         truncate_on_overflow=settings.attention_store.position_encoding.truncate_on_overflow,
