@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -155,8 +156,9 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     log.info("  tokenizer converted (%.1f s); converting weights...", time.perf_counter() - started)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers refuses to save a GGUF-loaded model although its weights are plain tensors by now.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
+    quantizer: Any = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
@@ -195,7 +197,8 @@ def load_model(
             _convert_gguf(path, folder)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt).to(dev).eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dt)
+        model = model.to(dev).eval()
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model {name!r} from {source!r}: {exc}") from exc
     cfg = model.config

@@ -73,7 +73,7 @@ def packed_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    layer = module.layer_idx
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
     heads, head_dim = query.shape[1], query.shape[-1]
     outs: list[torch.Tensor] = []
     for seg in plan.segments:

@@ -47,7 +47,7 @@ def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str
     out = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
-        role = _ROLES.get(msg.get("role"))
+        role = _ROLES.get(str(msg.get("role")))
         if role is None:
             raise PromptError(f"{where}.role {msg.get('role')!r} is not served locally", f"{where}.role")
         if msg.get("tool_calls") or msg.get("function_call") or msg.get("audio"):

@@ -20,7 +20,9 @@ class TextStream:
 
     @property
     def text(self) -> str:
-        return self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence in, one string out
+        return text
 
     def push(self, token_id: int) -> str:
         """Add a token; returns the text that is now safe to send ('' if none). Sets `stopped` on a stop."""

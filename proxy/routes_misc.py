@@ -60,7 +60,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def healthz(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
-    status = {
+    status: dict[str, object] = {
         "status": "ok",
         "replica": replica_id(settings),
         "upstream": settings.llm_endpoint.base_url or None,
