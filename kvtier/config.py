@@ -53,7 +53,14 @@ class PrefixMatch:
 
     @property
     def tier(self) -> Tier | None:
-        """The fastest tier among the chunks; None when nothing matched."""
+        """The slowest tier among the chunks (the one a restore waits on); None when nothing matched."""
         if self.tokens == 0 or not self.chunks:
             return None
-        return min((c.tier for c in self.chunks), key=TIERS.index)
+        return max((c.tier for c in self.chunks), key=TIERS.index)
+
+    def tokens_by_tier(self) -> dict[Tier, int]:
+        """Matched tokens per tier, every tier named (0 where none came from it)."""
+        counts = dict.fromkeys(TIERS, 0)
+        for c in self.chunks:
+            counts[c.tier] += c.n_tokens
+        return counts

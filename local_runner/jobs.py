@@ -30,8 +30,10 @@ class FirstToken:
     """The prompt is processed and the first token chosen: the moment TTFT measures."""
 
     reused_tokens: int
-    tier: str | None  # the match's tier label ("l0"/"l1"/"l2"), None on a miss
+    tier: str | None  # the slowest tier the reused KV came from ("l0"/"l1"/"l2"), None on a miss
     at: float  # time.monotonic()
+    tiers: dict[str, int] = field(default_factory=dict)  # reused tokens per tier
+    position_shift: int = 0  # positions the reused KV was moved by after a truncation
 
 
 @dataclass

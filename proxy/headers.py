@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
 if TYPE_CHECKING:  # the tier names are kvtier's (importing kvtier at run time would load torch)
@@ -17,6 +18,10 @@ ROUTE = "X-AttentionStore-Route"
 REUSED = "X-AttentionStore-Reused-Tokens"
 SESSION = "X-AttentionStore-Session"
 TTFT = "X-AttentionStore-TTFT-Ms"
+TIERS = "X-AttentionStore-Tiers"
+POSITION_SHIFT = "X-AttentionStore-Position-Shift"
+REPLICA = "X-AttentionStore-Replica"
+TIER_NAMES = ("l0", "l1", "l2")
 
 
 def cache_label(level: CacheLevel) -> str:
@@ -24,14 +29,34 @@ def cache_label(level: CacheLevel) -> str:
     return level if level in ("miss", "bypass") else f"{level}_hit"
 
 
+def tiers_value(tokens_by_tier: Mapping[str, int]) -> str:
+    """`l0=<n>,l1=<n>,l2=<n>`: reused tokens from each tier, every tier named."""
+    return ",".join(f"{t}={int(tokens_by_tier.get(t, 0))}" for t in TIER_NAMES)
+
+
 def store_headers(
-    *, cache: CacheLevel, route: RouteName, reused: int, session: str, ttft_ms: float
+    *,
+    cache: CacheLevel,
+    route: RouteName,
+    reused: int,
+    session: str,
+    ttft_ms: float,
+    replica: str,
+    tiers: Mapping[str, int] | None = None,
+    position_shift: int | None = None,
 ) -> dict[str, str]:
-    """The five headers as a dict, ready for `web.Response(headers=...)` or `resp.headers.update(...)`."""
-    return {
+    """The X-AttentionStore-* headers as a dict, ready for `web.Response(headers=...)`. Local turns
+    also give `tiers` (reused tokens per tier) and `position_shift`."""
+    headers = {
         CACHE: cache_label(cache),
         ROUTE: route,
         REUSED: str(int(reused)),
         SESSION: session,
         TTFT: f"{ttft_ms:.2f}",
+        REPLICA: replica,
     }
+    if tiers is not None:
+        headers[TIERS] = tiers_value(tiers)
+    if position_shift is not None:
+        headers[POSITION_SHIFT] = str(int(position_shift))
+    return headers

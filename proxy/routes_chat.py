@@ -14,6 +14,7 @@ from .headers import TTFT, store_headers
 from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS, SETTINGS
 from .routing import choose_route
 from .session import resolve_session
+from .settings import replica_id
 from .tenant import tenant_of
 from .upstream import forward_chat
 
@@ -45,7 +46,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return response
     ttft_ms = (time.monotonic() - received_at) * 1000.0
     log_turn(session=session, turn=chat.turn, cache="bypass", reused=0, prompt=0, ttft_ms=ttft_ms)
-    headers = store_headers(cache="bypass", route="upstream", reused=0, session=session, ttft_ms=ttft_ms)
+    headers = store_headers(
+        cache="bypass",
+        route="upstream",
+        reused=0,
+        session=session,
+        ttft_ms=ttft_ms,
+        replica=replica_id(settings),
+    )
     return error_response(
         APIError(400, f"Cannot serve this request: {route.reason}.", param="model"), headers
     )

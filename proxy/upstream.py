@@ -23,7 +23,7 @@ from .chat_request import ChatRequest
 from .errors import APIError, error_response
 from .headers import TTFT, store_headers
 from .session import SESSION_HEADER
-from .settings import Settings
+from .settings import Settings, replica_id
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -133,7 +133,14 @@ async def forward_chat(
     headers.setdefault("Content-Type", "application/json")
 
     def tagged(ttft_ms: float) -> dict[str, str]:
-        return store_headers(cache="bypass", route="upstream", reused=0, session=ctx.session, ttft_ms=ttft_ms)
+        return store_headers(
+            cache="bypass",
+            route="upstream",
+            reused=0,
+            session=ctx.session,
+            ttft_ms=ttft_ms,
+            replica=replica_id(settings),
+        )
 
     def elapsed_ms() -> float:
         return (time.monotonic() - ctx.received_at) * 1000.0

@@ -185,3 +185,14 @@ def test_prefetch_brings_l2_chunks_into_l1(tmp_path):
     r = s.load(m)  # close() stopped the load threads: the load fails cleanly
     with pytest.raises(KVLoadError):
         r.wait()
+
+
+def test_a_mixed_match_is_labelled_by_its_slowest_tier():
+    from kvtier import ChunkRef, PrefixMatch
+
+    match = PrefixMatch(
+        "ns", 48, (ChunkRef("a", 0, 16, "l0"), ChunkRef("b", 16, 16, "l2"), ChunkRef("c", 32, 16, "l1"))
+    )
+    assert match.tier == "l2"
+    assert match.tokens_by_tier() == {"l0": 16, "l1": 16, "l2": 16}
+    assert PrefixMatch("ns", 0, ()).tier is None

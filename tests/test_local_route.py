@@ -115,6 +115,8 @@ def test_unsupported_options_go_upstream(local_proxy, fake_upstream, extra):
     assert resp.status == 200
     assert resp.headers["X-AttentionStore-Route"] == "upstream"
     assert resp.headers["X-AttentionStore-Cache"] == "bypass"
+    assert resp.headers["X-AttentionStore-Replica"]
+    assert "X-AttentionStore-Tiers" not in resp.headers  # local turns only
     assert len(fake_upstream.requests) == 1
 
 

@@ -2,7 +2,7 @@ import pytest
 
 from proxy.chat_request import count_turn
 from proxy.errors import APIError
-from proxy.headers import CACHE, cache_label, store_headers
+from proxy.headers import CACHE, TIER_NAMES, cache_label, store_headers
 from proxy.session import prefix_fingerprint, resolve_session
 from proxy.tenant import check_client_auth, tenant_of
 from proxy.upstream import prompt_tokens_from_sse_tail, request_headers, upstream_url
@@ -92,11 +92,26 @@ def test_cache_labels_come_from_kvtiers_tiers():
 
     assert [cache_label(t) for t in TIERS] == ["l0_hit", "l1_hit", "l2_hit"]
     assert cache_label("miss") == "miss" and cache_label("bypass") == "bypass"
-    headers = store_headers(cache="l1", route="local", reused=32, session="s", ttft_ms=1.234)
+    assert TIER_NAMES == TIERS  # the header names every tier kvtier has, in its order
+    headers = store_headers(
+        cache="l1",
+        route="local",
+        reused=32,
+        session="s",
+        ttft_ms=1.234,
+        replica="r1",
+        tiers={"l0": 16, "l1": 16},
+        position_shift=0,
+    )
     assert headers == {
         CACHE: "l1_hit",
         "X-AttentionStore-Route": "local",
         "X-AttentionStore-Reused-Tokens": "32",
         "X-AttentionStore-Session": "s",
         "X-AttentionStore-TTFT-Ms": "1.23",
+        "X-AttentionStore-Replica": "r1",
+        "X-AttentionStore-Tiers": "l0=16,l1=16,l2=0",
+        "X-AttentionStore-Position-Shift": "0",
     }
+    upstream = store_headers(cache="bypass", route="upstream", reused=0, session="s", ttft_ms=1, replica="r1")
+    assert "X-AttentionStore-Tiers" not in upstream and upstream["X-AttentionStore-Replica"] == "r1"

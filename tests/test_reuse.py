@@ -108,6 +108,9 @@ def test_second_turn_is_an_l0_hit_with_the_recompute_answer(local_proxy, stream,
     assert u1.prompt_tokens_details.cached_tokens == reused
     assert float(h1["X-AttentionStore-TTFT-Ms"]) > 0
     assert h1["X-AttentionStore-Session"] == "s1"
+    assert h0["X-AttentionStore-Tiers"] == "l0=0,l1=0,l2=0"
+    assert h1["X-AttentionStore-Tiers"] == f"l0={reused},l1=0,l2=0"
+    assert h1["X-AttentionStore-Position-Shift"] == "0" and h1["X-AttentionStore-Replica"]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[AttentionStore]")]
     assert any("session=s1 turn=0 miss reused=0" in line for line in lines)
     assert any(
@@ -133,6 +136,8 @@ def test_l2_hit_when_only_the_disk_has_room(local_proxy):
     a1, h1, u1 = chat(server, history)
     assert h1["X-AttentionStore-Cache"] == "l2_hit"
     assert u1.prompt_tokens_details.cached_tokens > 0
+    reused = u1.prompt_tokens_details.cached_tokens
+    assert h1["X-AttentionStore-Tiers"] == f"l0=0,l1=0,l2={reused}"
     assert a1 == recompute(local_proxy, history)
 
 

@@ -118,7 +118,14 @@ class LocalChatBackend:
         ttft_ms = (first.at - ctx.received_at) * 1000.0
         cache = cache_level(first.tier, first.reused_tokens)
         headers = store_headers(
-            cache=cache, route="local", reused=first.reused_tokens, session=ctx.session, ttft_ms=ttft_ms
+            cache=cache,
+            route="local",
+            reused=first.reused_tokens,
+            session=ctx.session,
+            ttft_ms=ttft_ms,
+            replica=self.replica,
+            tiers=first.tiers,
+            position_shift=first.position_shift,
         )
         ids = fmt.CompletionIds(
             model=chat.model, system_fingerprint=f"fp_attnstore_{self._fingerprint(chat)}"
