@@ -122,7 +122,9 @@ class JobState:
             FirstToken(
                 reused_tokens=self.reused,
                 tier=self.match.tier if self.match and self.reused else None,
-                tiers=dict(self.match.tokens_by_tier()) if self.match and self.reused else {},
+                tiers={str(t): n for t, n in self.match.tokens_by_tier().items()}
+                if self.match and self.reused
+                else {},
                 at=time.monotonic(),
             )
         )
