@@ -6,6 +6,7 @@ Knows tensors and files only. See store.KVStore for the API the runner uses.
 from .config import ChunkRef, PrefixMatch, StoreConfig
 from .layout import KVLayout
 from .restore import KVLoadError, RestoredKV
+from .schedule import Schedule
 from .stats import StoreStats, TierStats
 from .store import KVStore
 from .tiers import TIERS, Tier
@@ -17,6 +18,7 @@ __all__ = [
     "KVStore",
     "PrefixMatch",
     "RestoredKV",
+    "Schedule",
     "StoreConfig",
     "StoreStats",
     "TIERS",

@@ -9,6 +9,8 @@ import torch
 
 from .tiers import TIERS, Tier
 
+PLACEMENT_HINTS = ("ttft_priority", "throughput")
+
 
 @dataclass
 class StoreConfig:
@@ -24,12 +26,18 @@ class StoreConfig:
     save_workers: int = 1
     save_queue_chunks: int = 32  # bounded queue; put() blocks (back-pressure) when full
     load_workers: int = 4  # load() threads the store owns; more loads at once wait their turn
+    # Where a turn's new KV and what a load read stay in memory: "ttft_priority" keeps them in L0, ready
+    # for the session's next turn; "throughput" keeps L0 for running and queued jobs (prefetch), and new
+    # or restored KV goes to L1 (and L2).
+    placement_hint: str = "ttft_priority"
 
     def __post_init__(self) -> None:
         self.l2_path = Path(self.l2_path)
         for name in ("l0_capacity_bytes", "l1_capacity_bytes", "l2_capacity_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.placement_hint not in PLACEMENT_HINTS:
+            raise ValueError(f"placement_hint must be one of {', '.join(PLACEMENT_HINTS)}")
         positive = ("chunk_tokens", "save_workers", "save_queue_chunks", "load_workers")
         if any(getattr(self, name) <= 0 for name in positive):
             raise ValueError(f"{', '.join(positive)} must be positive")

@@ -27,6 +27,7 @@ class Entry:
     meta: ChunkMeta | None = None  # header of the L2 file (layer checksums) once written or adopted
     pins: int = 0
     removed: bool = field(default=False)
+    prefetched: bool = False  # brought up by a prefetch and not used by a job since
 
     @property
     def key(self) -> str:

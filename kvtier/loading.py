@@ -1,26 +1,24 @@
-"""Loading and prefetching: restoring a match's chunks on threads the store owns (closed with it).
+"""Loading: restoring a match's chunks on threads the store owns (closed with it).
 
 A load pins its chunks, fills a RestoredKV layer by layer (restore.py), then promotes what it read into
-the fastest memory tier that takes it and unpins. A prefetch (the scheduler's look-ahead) brings L2-only
-chunks into L1. A chunk that fails to read is quarantined (if its file is bad) and forgotten: a miss,
+the fastest memory tier that takes it (see StoreState.keep_tiers) and unpins. A chunk that fails to read is quarantined (if its file is bad) and forgotten: a miss,
 never a wrong answer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .chunk import ChunkKV
-from .chunk_files import chunk_path, read_chunk
+from .chunk_files import chunk_path
 from .chunk_format import CorruptChunk
 from .config import ChunkRef, PrefixMatch
 from .index import Entry
 from .placement import Copy
-from .restore import KVLoadError, LoadFailure, PlanItem, RestoredKV, run_load
+from .restore import KVLoadError, LoadFailure, PlanItem, RestoredKV, other_bad_chunks, run_load
 from .state import StoreState
 
 log = logging.getLogger(__name__)
@@ -30,12 +28,10 @@ class Loading:
     def __init__(self, state: StoreState) -> None:
         self._s = state
         self._loaders = ThreadPoolExecutor(state.config.load_workers, thread_name_prefix="kvtier-load")
-        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-prefetch")
 
     def close(self) -> None:
-        """Wait for loads and prefetches in flight; later ones fail (load) or are skipped (prefetch)."""
+        """Wait for loads in flight; later ones fail."""
         self._loaders.shutdown(wait=True)
-        self._prefetcher.shutdown(wait=True)
 
     # ---- load ----------------------------------------------------------------------------------------
 
@@ -89,7 +85,9 @@ class Loading:
             from_disk = run_load(plan, restored, self._s.layout)
         except LoadFailure as f:
             self._s.unpin(pinned)
-            self._on_bad_chunk(f.item.key, f.cause)
+            self.on_bad_chunk(f.item.key, f.cause)
+            for key, cause in other_bad_chunks(plan, f.item.key, self._s.layout):
+                self.on_bad_chunk(key, cause)  # every bad chunk of the match at once
             restored.fail(KVLoadError(str(f)))
         except Exception as e:  # never leave the runner waiting forever
             self._s.unpin(pinned)
@@ -112,7 +110,7 @@ class Loading:
                         continue
                     data = e.data if e.data is not None else from_disk.get(e.key)
                     if data is not None and e.mem_tier != "l0":
-                        s.placement.place(e, data, copies)
+                        s.placement.place(e, data, copies, s.keep_tiers)
                     s.placement.touch(e)
             s.move(copies)
         except Exception:
@@ -120,7 +118,7 @@ class Loading:
         finally:
             s.unpin(pinned)
 
-    def _on_bad_chunk(self, key: str, cause: BaseException) -> None:
+    def on_bad_chunk(self, key: str, cause: BaseException) -> None:
         """A chunk failed to load: quarantine a bad file, forget the entry, count a miss."""
         s = self._s
         path = chunk_path(s.root, key)
@@ -134,39 +132,3 @@ class Loading:
             entry = s.index.get(key)
             if entry is not None and entry.data is None and entry.pending is None:
                 s.placement.remove(entry)  # its file is gone or quarantined already
-
-    # ---- prefetch --------------------------------------------------------------------------------------
-
-    def prefetch(self, match: PrefixMatch) -> None:
-        """Bring the match's L2-only chunks into L1 in the background. Never raises."""
-        with contextlib.suppress(Exception):
-            self._prefetcher.submit(self._prefetch, match)
-
-    def _prefetch(self, match: PrefixMatch) -> None:
-        for c in match.chunks:
-            try:
-                self._prefetch_chunk(c.key)
-            except Exception:
-                log.exception("kvtier: prefetch of %s failed", c.key)
-
-    def _prefetch_chunk(self, key: str) -> None:
-        s = self._s
-        with s.lock:
-            e = s.index.get(key)
-            if e is None or e.data is not None or not e.on_disk or e.meta is None:
-                return
-            meta = e.meta
-            s.pin([e])
-        try:
-            try:
-                data = read_chunk(chunk_path(s.root, key), meta, s.layout)
-            except (CorruptChunk, OSError) as err:
-                self._on_bad_chunk(key, err)
-                return
-            copies: list[Copy] = []
-            with s.lock:
-                if not e.removed and e.data is None:
-                    s.placement.place(e, data, copies, ("l1",))
-            s.move(copies)
-        finally:
-            s.unpin([e])

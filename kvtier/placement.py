@@ -20,6 +20,7 @@ import torch
 from .chunk import ChunkKV
 from .chunk_files import chunk_path
 from .index import Entry, PrefixIndex
+from .schedule import Schedule, eviction_order
 from .tiers import MEMORY_TIERS, TIERS, Tier, TierBudget
 
 log = logging.getLogger(__name__)
@@ -60,13 +61,25 @@ class Placement:
         self._device = device
         self._pin_host = pin_host
         self.budgets = {t: TierBudget(t, capacities[t]) for t in TIERS}
+        # The runner's queue (see schedule.py); None: plain LRU with pins (scheduler_aware off).
+        self.schedule: Schedule | None = None
+        self.on_evict: Callable[[Entry], None] = lambda entry: None  # an entry left the memory tiers
 
     def _evictable(self, tier: Tier) -> Callable[[str], bool]:
+        protected = self.schedule.protected if self.schedule is not None else frozenset()
+
         def ok(key: str) -> bool:
             e = self._index.get(key)
-            return e is not None and e.pins == 0 and (tier != "l2" or e.pending is None)
+            return (
+                e is not None and e.pins == 0 and key not in protected and (tier != "l2" or e.pending is None)
+            )
 
         return ok
+
+    def _victims(self, tier: Tier, nbytes: int) -> list[str] | None:
+        schedule = self.schedule
+        order = None if schedule is None else (lambda keys: eviction_order(keys, schedule))
+        return self.budgets[tier].victims(nbytes, self._evictable(tier), order)
 
     def fits_in_memory(self, nbytes: int) -> bool:
         """Could some memory tier take a chunk of this size at all (were everything else evicted)?"""
@@ -82,7 +95,7 @@ class Placement:
             if entry.mem_tier == name:
                 budget.touch(entry.key)
                 return True
-            victims = budget.victims(entry.nbytes, self._evictable(name))
+            victims = self._victims(name, entry.nbytes)
             if victims is None:
                 continue
             for key in victims:
@@ -105,6 +118,7 @@ class Placement:
         data, entry.data, entry.mem_tier = entry.data, None, None
         if tier == "l0" and data is not None and self.place(entry, data, copies, ("l1",)):
             return
+        self.on_evict(entry)  # it leaves memory
         if not entry.usable:
             self._index.remove(key)
 
@@ -118,7 +132,7 @@ class Placement:
     def reserve_l2(self, entry: Entry, deletes: list[Path]) -> bool:
         """Make room for the entry's file in L2 (LRU files go: their paths are added to `deletes`)."""
         budget = self.budgets["l2"]
-        victims = budget.victims(entry.nbytes, self._evictable("l2"))
+        victims = self._victims("l2", entry.nbytes)
         if victims is None:
             return False
         for key in victims:

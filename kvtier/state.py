@@ -21,7 +21,7 @@ from .index import Entry, PrefixIndex
 from .layout import KVLayout
 from .placement import Copy, Placement
 from .stats import Counters
-from .tiers import Tier
+from .tiers import MEMORY_TIERS, Tier
 
 
 class StoreState:
@@ -42,6 +42,17 @@ class StoreState:
         }
         self.placement = Placement(self.index, self.root, capacities, self.device, self.pin_host)
         self.counters = Counters()
+        self.placement.on_evict = self._on_evict
+        # The memory tiers a turn's new KV (put) and a load's chunks (promotion) may go to.
+        self.keep_tiers: tuple[Tier, ...] = (
+            MEMORY_TIERS if config.placement_hint == "ttft_priority" else ("l1",)
+        )
+
+    def _on_evict(self, entry: Entry) -> None:
+        """With the lock held: an entry left memory; a prefetch that brought it up was in vain."""
+        if entry.prefetched:
+            entry.prefetched = False
+            self.counters.prefetch_wasted += 1
 
     def nbytes(self, n_tokens: int) -> int:
         return n_tokens * self.layout.bytes_per_token

@@ -15,7 +15,7 @@ def _per_tier() -> dict[str, int]:
 class Counters:
     """Mutable counters, updated under the store's lock."""
 
-    hits: dict[str, int] = field(default_factory=_per_tier)  # per lookup, by the match's fastest tier
+    hits: dict[str, int] = field(default_factory=_per_tier)  # per lookup, by the match's slowest tier
     chunk_hits: dict[str, int] = field(default_factory=_per_tier)  # per matched chunk, by its tier
     misses: int = 0  # lookups that matched 0 tokens, plus loads that failed
     load_errors: int = 0
@@ -23,6 +23,11 @@ class Counters:
     bytes_loaded: int = 0  # KV bytes handed to callers by load()
     bytes_saved: int = 0  # KV bytes written to L2 files
     save_errors: int = 0
+    reused_tokens: dict[str, int] = field(default_factory=_per_tier)  # matched tokens, by their chunk's tier
+    prefetch_issued: int = 0  # chunks a prefetch set out to bring up
+    prefetch_completed: int = 0  # of those, placed in a memory tier
+    prefetch_used: int = 0  # of those, matched by a job's lookup while still in memory
+    prefetch_wasted: int = 0  # of those, evicted from memory before any job used them
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,11 @@ class StoreStats:
     saving_enabled: bool
     load_errors: int
     quarantined: int
+    reused_tokens: dict[str, int]
+    prefetch_issued: int
+    prefetch_completed: int
+    prefetch_used: int
+    prefetch_wasted: int
 
     def to_dict(self) -> dict:
         """JSON-able: {"tiers": {"l0": {"used_bytes", "capacity_bytes", "entries"}, ...}, "hits": {...}, ...}."""

@@ -25,8 +25,10 @@ from .index import Entry, Step, longest_prefix
 from .layout import KVLayout, normalize_layers
 from .loading import Loading
 from .placement import Copy
+from .prefetch import Prefetching
 from .restore import RestoredKV
 from .saving import Saving
+from .schedule import Schedule
 from .state import StoreState
 from .stats import StoreStats, TierStats
 from .tiers import TIERS
@@ -37,12 +39,13 @@ class KVStore:
         self.config = config
         self.layout = layout
         self.model_fingerprint = model_fingerprint
-        config.l2_path.mkdir(parents=True, exist_ok=True)
+        config.l2_path.mkdir(mode=0o700, parents=True, exist_ok=True)  # owner only: see chunk_files
         self._s = StoreState(config, layout, model_fingerprint)
         self.device = self._s.device
         self._closed = False
         scan_folder(self._s)
         self._loading = Loading(self._s)
+        self._prefetching = Prefetching(self._s, self._loading)
         self._saving = Saving(self._s)
 
     # ---- keys -------------------------------------------------------------------------------------
@@ -99,6 +102,10 @@ class KVStore:
             self._s.placement.touch(st.entry)
             if count:
                 c.chunk_hits[st.entry.tier] += 1
+                c.reused_tokens[st.entry.tier] += st.n_tokens
+                if st.entry.prefetched and st.entry.data is not None:
+                    c.prefetch_used += 1
+                st.entry.prefetched = False
         if count and match.tier is None:
             c.misses += 1
         elif count and match.tier is not None:
@@ -124,8 +131,18 @@ class KVStore:
         return self._loading.load(match, capacity)
 
     def prefetch(self, match: PrefixMatch) -> None:
-        """Bring the match's L2-only chunks into L1 in the background (scheduler look-ahead). Never raises."""
-        self._loading.prefetch(match)
+        """Bring the match's chunks up in the background (disk to host, into L0 where it has room without
+        evicting what the schedule protects): the scheduler's look-ahead. Never raises."""
+        self._prefetching.prefetch(match)
+
+    def wait_prefetched(self, timeout: float | None = None) -> bool:
+        """Block until every prefetch asked for so far has run (False if the timeout passed first)."""
+        return self._prefetching.wait_idle(timeout)
+
+    def set_schedule(self, schedule: Schedule | None) -> None:
+        """The runner's queue as eviction sees it (schedule.py); None: plain LRU with pins."""
+        with self._s.lock:
+            self._s.placement.schedule = schedule
 
     # ---- put ---------------------------------------------------------------------------------------
 
@@ -169,7 +186,7 @@ class KVStore:
                 entry = Entry(chunks[i], s.nbytes(chunks[i].n_tokens))
                 s.index.add(entry)
                 self._drop_superseded(entry, deletes)
-                s.placement.place(entry, data[i], copies)
+                s.placement.place(entry, data[i], copies, s.keep_tiers)
                 if self._saving.reserve(entry, data[i], deletes):
                     saves.append(entry)
                 if not entry.usable:  # fits nowhere (everything pinned, or tiers disabled)
@@ -240,6 +257,11 @@ class KVStore:
                 saving_enabled=self._saving.enabled,
                 load_errors=c.load_errors,
                 quarantined=c.quarantined,
+                reused_tokens=dict(c.reused_tokens),
+                prefetch_issued=c.prefetch_issued,
+                prefetch_completed=c.prefetch_completed,
+                prefetch_used=c.prefetch_used,
+                prefetch_wasted=c.prefetch_wasted,
             )
 
     def flush(self, timeout: float | None = None) -> None:
@@ -251,6 +273,7 @@ class KVStore:
         if self._closed:
             return
         self._closed = True
+        self._prefetching.close()
         self._loading.close()
         self._saving.close()
 

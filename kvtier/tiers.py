@@ -8,7 +8,7 @@ decide what eviction means (demote, drop, delete a file).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 Tier = Literal["l0", "l1", "l2"]
@@ -59,16 +59,24 @@ class TierBudget:
         if key in self._lru:
             self._lru.move_to_end(key)
 
-    def victims(self, nbytes: int, evictable: Callable[[str], bool]) -> list[str] | None:
-        """LRU keys to remove so that `nbytes` more fit, or None if that is impossible (nothing removed)."""
+    def victims(
+        self,
+        nbytes: int,
+        evictable: Callable[[str], bool],
+        order: Callable[[Iterable[str]], list[str]] | None = None,
+    ) -> list[str] | None:
+        """Keys to remove so that `nbytes` more fit, or None if that is impossible (nothing removed).
+        They are taken in `order(keys in LRU order)` (default: least recently used first)."""
         if nbytes > self.capacity:
             return None
         need = self.used + nbytes - self.capacity
+        if need <= 0:
+            return []
         chosen: list[str] = []
-        for key, size in self._lru.items():
+        for key in order(self._lru) if order is not None else self._lru:
             if need <= 0:
                 break
             if evictable(key):
                 chosen.append(key)
-                need -= size
+                need -= self._lru[key]
         return chosen if need <= 0 else None
