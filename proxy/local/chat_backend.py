@@ -113,7 +113,7 @@ class LocalChatBackend:
         events = job.events()
         first = await anext(events)
         if isinstance(first, Failed):
-            raise APIError(500, first.message, type_="server_error")
+            raise APIError(first.status, first.message, code=first.code, type_="server_error")
         assert isinstance(first, FirstToken)
         ttft_ms = (first.at - ctx.received_at) * 1000.0
         cache = cache_level(first.tier, first.reused_tokens)
