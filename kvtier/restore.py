@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .chunk import ChunkKV, host_bytes
-from .chunk_files import ChunkReader
+from .chunk_files import ChunkReader, read_chunk
 from .chunk_format import ChunkMeta
 from .layout import KVLayout
 
@@ -113,6 +113,12 @@ class RestoredKV:
             raise self._error
         return k, v
 
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until `ready` (or the timeout passes); never raises: `wait()` says how it ended."""
+        if not self._settled.wait(timeout):
+            return False
+        return all(ev.wait(0) for ev in self._ready)
+
     @property
     def ready(self) -> bool:
         """True once wait() would return at once: every layer loaded (or the load failed) and settled.
@@ -183,3 +189,19 @@ def run_load(plan: list[PlanItem], restored: RestoredKV, layout: KVLayout) -> di
         for r in readers.values():
             r.close()
     return from_disk
+
+
+def other_bad_chunks(plan: list[PlanItem], failed_key: str, layout: KVLayout) -> list[tuple[str, Exception]]:
+    """After a load failed on `failed_key`: every other chunk of the plan read from disk, verified whole
+    (all layers against their checksums), and the ones that fail with why. The store drops them all at
+    once, so the next turn (or the retry of this one) reuses the valid chunks before the first bad one
+    instead of finding one more bad chunk per turn."""
+    bad: list[tuple[str, Exception]] = []
+    for item in plan:
+        if item.mem is not None or item.key == failed_key or item.path is None or item.meta is None:
+            continue
+        try:
+            read_chunk(item.path, item.meta, layout)
+        except Exception as e:  # CorruptChunk, or the file is gone or unreadable
+            bad.append((item.key, e))
+    return bad

@@ -1,12 +1,14 @@
 """Saving to L2: the response never waits for the disk. put() reserves an L2 place and hands the chunk
 to a bounded pool of save threads (back-pressure when the disk falls behind), or, with async_save off,
-writes the batch before returning. A full disk stops saving; serving goes on from memory.
+writes the batch before returning. A full disk pauses saving (serving goes on from memory) and saving
+tries again after a back-off that doubles from 1 s up to 60 s while the disk stays full.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import time
 from pathlib import Path
 
 from .chunk import ChunkId, ChunkKV
@@ -18,18 +20,28 @@ from .state import StoreState
 
 log = logging.getLogger(__name__)
 
+# After a full disk, the first retry waits this long; each further ENOSPC doubles it up to the cap.
+DISK_FULL_BACKOFF_S = 1.0
+DISK_FULL_BACKOFF_MAX_S = 60.0
+
 
 class Saving:
     def __init__(self, state: StoreState) -> None:
         self._s = state
         self.pending = 0  # saves reserved and not done yet (under the lock)
-        self.enabled = True  # off after a full disk
+        self._paused_until = 0.0  # time.monotonic() before which saving is paused (a full disk)
+        self._backoff = 0.0  # the current pause after a full disk; 0 while writes succeed
         config = state.config
         self._pool: SavePool[Entry] | None = (
             SavePool(config.save_workers, config.save_queue_chunks, self._write_one)
             if config.async_save
             else None
         )
+
+    @property
+    def enabled(self) -> bool:
+        """False while saving is paused after a full disk (it retries once the back-off has passed)."""
+        return time.monotonic() >= self._paused_until
 
     def reserve(self, entry: Entry, data: ChunkKV, deletes: list[Path]) -> bool:
         """With the lock held: reserve the entry's L2 place and mark `data` as its save in flight."""
@@ -89,9 +101,15 @@ class Saving:
     def _failed(self, e: OSError) -> None:
         with self._s.lock:
             self._s.counters.save_errors += 1
-            if e.errno == errno.ENOSPC and self.enabled:
-                self.enabled = False
-                log.warning("kvtier: disk full (%s); saving to L2 stops, serving goes on", e)
+            if e.errno == errno.ENOSPC:
+                if self.enabled:  # the first failure of this pause: one log line, a longer pause
+                    self._backoff = min(max(self._backoff * 2, DISK_FULL_BACKOFF_S), DISK_FULL_BACKOFF_MAX_S)
+                    self._paused_until = time.monotonic() + self._backoff
+                    log.warning(
+                        "kvtier: disk full (%s); saving to L2 pauses for %.0f s, serving goes on",
+                        e,
+                        self._backoff,
+                    )
             else:
                 log.warning("kvtier: saving a chunk failed: %s", e)
 
@@ -103,6 +121,7 @@ class Saving:
             if entry.removed:
                 orphan = written is not None  # forgotten or superseded while being written
             elif written is not None:
+                self._backoff = 0.0  # the disk takes writes again: the next full disk starts at 1 s
                 entry.on_disk, entry.meta = True, written
                 self._s.counters.bytes_saved += entry.nbytes
             else:

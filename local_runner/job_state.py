@@ -45,6 +45,7 @@ class JobState:
         self.kv = JobKV(lm.layout, lm.device, self.capacity)
         self.finished = False
         self.finish_reason: str | None = None
+        self._retried_lookup = False  # recompute() looks the prompt up again once
 
     # -- start ----------------------------------------------------------------------------------------
 
@@ -69,6 +70,11 @@ class JobState:
         """Its stored KV is still being read: a batch with other jobs leaves it out (never waits on a disk)."""
         return self.restored is not None and not self.restored.ready
 
+    def wait_restore(self, timeout: float) -> None:
+        """Block until the restore is ready or `timeout` seconds pass (overlap_with_compute off)."""
+        if self.restored is not None:
+            self.restored.wait_ready(timeout)
+
     def settle_restore(self) -> None:
         """Once the restore is ready: keep it, or recompute from scratch if it failed."""
         if self.restored is None or not self.restored.ready:
@@ -86,6 +92,17 @@ class JobState:
         self.match, self.restored, self.reused = None, None, 0
         self.kv.drop_restored()
         self.fed_ids = []
+        if not self._retried_lookup:
+            # The store has dropped every bad chunk of the match by now: look up again once, so the
+            # valid chunks before the first bad one are still reused (issue 13).
+            self._retried_lookup = True
+            try:
+                self.begin()
+            except Exception:
+                log.warning("a second lookup after a failed restore failed; recomputing", exc_info=True)
+                self._pins.close()
+                self.match, self.restored, self.reused, self.fed_ids = None, None, 0, []
+                self.kv.drop_restored()
 
     # -- steps ----------------------------------------------------------------------------------------
 

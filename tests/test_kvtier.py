@@ -324,11 +324,12 @@ def test_crash_mid_write_leaves_nothing_readable(tmp_path, monkeypatch):
     assert s2.stats().tiers["l2"].entries == 0 and s2.lookup("t", toks(4)).tokens == 0
 
 
-def test_disk_full_stops_saving_but_serving_goes_on(tmp_path, monkeypatch, caplog):
+def test_disk_full_pauses_saving_but_serving_goes_on(tmp_path, monkeypatch, caplog):
     def full(*a, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(saving_mod, "write_chunk", full)
+    monkeypatch.setattr(saving_mod, "DISK_FULL_BACKOFF_S", 60.0)  # paused for this whole test
     s = make(tmp_path, async_save=True)
     layers = kv(8)
     s.put("t", toks(8), layers)
@@ -342,7 +343,7 @@ def test_disk_full_stops_saving_but_serving_goes_on(tmp_path, monkeypatch, caplo
     assert_restored(s, m, layers, 8)
     s.put("t", toks(4, 100), kv(4))
     s.flush()
-    assert s.stats().save_errors == st.save_errors  # no more attempts
+    assert s.stats().save_errors == st.save_errors  # no attempts while paused
     s.close()
 
 
