@@ -117,6 +117,16 @@ class ProxySettings(_Strict):
     port: Annotated[int, Meta(ge=0, le=65535)] = 8080
     session_index: str = "memory"
     replica_id: str = ""
+    # The URL other replicas reach this one at (e.g. http://replica-a:8080). With a Redis session index
+    # it turns on the heartbeat and KV-aware forwarding between replicas; "" turns both off.
+    advertise_url: str = ""
+    # A turn whose session another replica holds in L0/L1 is forwarded there, unless that replica has
+    # more than this many jobs (queued + running) beyond this one's: then it is served here, from L2.
+    forward_max_queue_gap: NonNegativeInt = 4
+    # A dead owner costs at most this long (one failed connect) before the turn is served here.
+    forward_connect_timeout_s: Annotated[float, Meta(gt=0)] = 0.5
+    # Seconds between heartbeats; a replica that misses three is no longer forwarded to.
+    heartbeat_s: Annotated[float, Meta(gt=0)] = 1.0
     # Client authentication: when non-empty, a request must carry one of these bearer keys.
     api_keys: list[str] = field(default_factory=list)
     max_body_mb: Annotated[float, Meta(gt=0)] = 16
@@ -160,6 +170,9 @@ def _check_values(s: Settings, base_dir: Path, check_paths: bool) -> None:
     base = s.llm_endpoint.base_url
     if base and not re.match(r"^https?://[^/\s]+", base):
         raise SettingsError(f"llm_endpoint.base_url: {base!r} is not an http(s) URL")
+    advertise = s.proxy.advertise_url
+    if advertise and not re.match(r"^https?://[^/\s]+/?$", advertise):
+        raise SettingsError(f"proxy.advertise_url: {advertise!r} is not an http(s) URL without a path")
     if s.attention_store.enabled and check_paths:
         l2 = resolve_path(s.attention_store.tiering.l2_disk.path, base_dir)
         try:
@@ -203,6 +216,14 @@ def parse_settings(
     redis_url = environ.get("ATTNSTORE_REDIS_URL")
     if redis_url:
         settings.proxy.session_index = redis_url
+    # Per-process values that a shared settings file cannot hold (secrets, each replica's own name and
+    # address): docker-compose passes them in the environment. A variable set but empty is ignored.
+    keys = [k.strip() for k in environ.get("ATTNSTORE_API_KEYS", "").split(",") if k.strip()]
+    if keys:
+        settings.proxy.api_keys = keys
+    for var, attr in (("ATTNSTORE_REPLICA_ID", "replica_id"), ("ATTNSTORE_ADVERTISE_URL", "advertise_url")):
+        if environ.get(var):
+            setattr(settings.proxy, attr, environ[var])
     _check_values(settings, base_dir or Path.cwd(), check_paths)
     return settings
 
