@@ -58,6 +58,7 @@ class Worker:
         self._job_bytes = job_bytes
         self._packed = packed
         self._pending: deque[Job] = deque()
+        self._in_flight: list[Job] = []  # submitted, not ended nor cancelled (see submit)
         self._running: list[JobState] = []
         self._prefetched: set[int] = set()
         self._cond = threading.Condition()
@@ -76,11 +77,21 @@ class Worker:
         return len(self._running)
 
     def submit(self, job: Job) -> None:
+        """Queue a job, or raise QueueFull when max_running + max_queue jobs are in flight already.
+
+        In flight means submitted and not ended (nor cancelled), wherever the job is: queued, taken by the
+        loop but not started yet, or running. Counting the queue and the running list instead let jobs
+        through while the loop had taken the queue but not yet started its jobs, and whenever fewer
+        than max_running ran (issue 13: 24 of 24 streams accepted with 4 + 4)."""
         with self._cond:
             if self._stopping:
                 raise QueueFull("the local runner is shutting down")
-            if len(self._running) >= self._max_running and len(self._pending) >= self._max_queue:
-                raise QueueFull(f"the local queue is full ({self._max_queue} waiting)")
+            self._in_flight = [j for j in self._in_flight if not (j.done or j.cancelled)]
+            if len(self._in_flight) >= self._max_running + self._max_queue:
+                raise QueueFull(
+                    f"the local runner is full ({self._max_running} running, {self._max_queue} waiting)"
+                )
+            self._in_flight.append(job)
             self._pending.append(job)
             self._cond.notify()
 
