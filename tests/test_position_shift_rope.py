@@ -1,0 +1,159 @@
+"""Moving stored keys by -T positions equals computing them at p - T, for every RoPE the runner shifts.
+
+Each case builds a tiny random model of that family and RoPE type, computes keys through the model's own
+rotary module and apply_rotary_pos_emb at positions p and p - T, and moves the first by -T with the
+RopeShift read from the model (rope_config), the way the runner does.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from local_runner.rope_config import rope_shift_for
+from local_runner.rope_shift import RopeShift
+
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+CASES = {
+    "llama-default": ("llama", {"rope_theta": 10000.0, "rope_type": "default"}, {}),
+    "llama-linear": ("llama", {"rope_theta": 10000.0, "rope_type": "linear", "factor": 4.0}, {}),
+    "llama-llama3": (
+        "llama",
+        {
+            "rope_theta": 500000.0,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+        {},
+    ),
+    "llama-yarn": (
+        "llama",
+        {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+        {},
+    ),
+    "qwen2-default": ("qwen2", {"rope_theta": 1000000.0, "rope_type": "default"}, {}),
+    "qwen2-yarn": (
+        "qwen2",
+        {
+            "rope_theta": 1000000.0,
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 512,
+        },
+        {},
+    ),
+    "stablelm-partial": (
+        "stablelm",
+        {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.25},
+        {},
+    ),
+    "glm-interleaved-partial": (
+        "glm",
+        {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
+        {"head_dim": 16, "pad_token_id": 0},
+    ),
+}
+
+
+def tiny(model_type: str, rope: dict, extra: dict):
+    config = AutoConfig.for_model(model_type, **SMALL, **extra, rope_parameters=rope)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def keys_at(model, k: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """k ([1, heads, n, head_dim]) with RoPE at `positions`, by the model's own code."""
+    module = importlib.import_module(type(model).__module__)
+    pos = torch.tensor([positions])
+    cos, sin = model.model.rotary_emb(k, pos)
+    if model.config.model_type == "stablelm":  # its attention rotates the first dims, as here
+        rot = cos.shape[-1]
+        _, out = module.apply_rotary_pos_emb(k[..., :rot], k[..., :rot], cos, sin)
+        return torch.cat((out, k[..., rot:]), dim=-1)
+    _, out = module.apply_rotary_pos_emb(k, k, cos, sin)
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_keys_rotated_by_minus_t_equal_keys_computed_at_p_minus_t(case):
+    model_type, rope, extra = CASES[case]
+    model = tiny(model_type, rope, extra)
+    shift = rope_shift_for(model)
+    assert isinstance(shift, RopeShift), shift
+    head_dim = extra.get("head_dim", SMALL["hidden_size"] // SMALL["num_attention_heads"])
+    assert shift.interleaved == (model_type == "glm")
+    assert shift.rotary_dim == int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    torch.manual_seed(1)
+    k = torch.randn(1, 2, 40, head_dim) * 4
+    for t in (1, 37, 300):
+        old = list(range(t + 200, t + 240))  # stored at old positions, moved down by t
+        new = [p - t for p in old]
+        moved = shift.rotate(keys_at(model, k, old), -t)
+        expected = keys_at(model, k, new)
+        assert rel_err(moved, expected) <= 1e-4, (case, t)
+        # Without the rotation the keys are far off: the test can fail.
+        assert rel_err(keys_at(model, k, old), expected) > 1e-2
+
+
+def test_attention_scaling_stays_in_the_shifted_keys():
+    """yarn scales cos/sin by its attention factor: the stored keys carry it once, and so must the moved."""
+    model = tiny("llama", CASES["llama-yarn"][1], {})
+    assert model.model.rotary_emb.attention_scaling != 1.0
+    k = torch.randn(1, 2, 8, 16)
+    moved = rope_shift_for(model).rotate(keys_at(model, k, list(range(100, 108))), -50)  # type: ignore[union-attr]
+    assert rel_err(moved, keys_at(model, k, list(range(50, 58)))) <= 1e-4
+
+
+def test_bfloat16_keys_stay_bfloat16_and_close():
+    shift = RopeShift(1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)))
+    k = torch.randn(1, 2, 5, 16, dtype=torch.bfloat16)
+    out = shift.rotate(k, -7)
+    assert out.dtype == torch.bfloat16
+    back = shift.rotate(out, 7)
+    assert rel_err(back.float(), k.float()) < 2e-2
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0},
+        {
+            "rope_theta": 10000.0,
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 256,
+        },
+    ],
+)
+def test_length_dependent_rope_is_not_shifted(rope):
+    model = tiny("llama", rope, {})
+    reason = rope_shift_for(model)
+    assert isinstance(reason, str) and rope["rope_type"] in reason
+
+
+def test_a_model_without_rope_is_not_shifted():
+    from transformers import BloomConfig, BloomForCausalLM  # ALiBi
+
+    model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2))
+    reason = rope_shift_for(model)
+    assert isinstance(reason, str) and "bloom" in reason
