@@ -13,6 +13,7 @@ from aiohttp import web
 from .backend import LocalBackend, RequestContext
 from .chat_request import ChatRequest
 from .errors import APIError
+from .forwarding import install_forwarding
 from .keys import HTTP_CLIENT, LOCAL_BACKEND, LOCAL_RUNNER, METRICS, SESSION_INDEX, SETTINGS
 from .metrics import Metrics
 from .middleware import error_middleware
@@ -67,6 +68,9 @@ def build_app(
     app[METRICS] = Metrics(lambda: store_stats(app[LOCAL_RUNNER]))
     app.cleanup_ctx.append(_http_client)
     app.on_cleanup.append(_close_local)
+    # With an advertise_url and a Redis index: the heartbeat, and turns forwarded to the replica holding
+    # their KV. Otherwise nothing.
+    install_forwarding(app, settings, app[SESSION_INDEX])
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/healthz", healthz)

@@ -10,6 +10,7 @@ from .access_log import log_turn
 from .backend import RequestContext
 from .chat_request import parse_chat
 from .errors import APIError, error_response
+from .forwarding import FORWARDER
 from .headers import TTFT, store_headers
 from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS, SETTINGS
 from .routing import choose_route
@@ -36,6 +37,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     backend = request.app[LOCAL_BACKEND]
     route = choose_route(settings, chat, backend)
     if route.kind == "local" and backend is not None:
+        forwarder = request.app.get(FORWARDER)
+        if forwarder is not None:  # another replica holds this session's KV in memory: its turn
+            forwarded = await forwarder.try_forward(request, chat, ctx)
+            if forwarded is not None:
+                return forwarded
         return await backend.handle(request, chat, ctx)
     if route.kind == "upstream":
         response = await forward_chat(request, chat, ctx, settings, request.app[HTTP_CLIENT])

@@ -1,9 +1,12 @@
-"""The session index: which replica and tier last held each session's KV chunks, and their keys.
+"""The session index: which replica and tier last held each session's KV chunks, and their keys, and
+which replicas are alive (each announces its address and load with a heartbeat that expires).
 
 Replicas that share one L2 folder learn each other's chunk keys here, so a turn that lands on another
 replica still finds the conversation's KV on disk (an `l2_hit`). The in-memory index is the embedded
 default; Redis shares it across replicas. Redis is a helper, never a dependency of a request: when it
 fails, the index answers from its local copy, logs one warning, and uses Redis again once it answers.
+Replicas are known through Redis only: without it (or while it is down) no replica knows another, and
+every turn is served where it lands.
 """
 
 from __future__ import annotations
@@ -31,16 +34,33 @@ class SessionRecord:
     updated: float = field(default_factory=time.time)
 
 
+@dataclass
+class ReplicaInfo:
+    """What a replica announces with each heartbeat."""
+
+    url: str  # where the other replicas reach it (proxy.advertise_url)
+    load: int = 0  # jobs queued or running on its local runner
+    updated: float = field(default_factory=time.time)
+
+
 class SessionIndex(Protocol):
+    # True when other replicas see what this index records (Redis); False for the in-memory index.
+    shared: bool
+
     async def get(self, tenant: str, session: str) -> SessionRecord | None: ...
     async def put(self, tenant: str, session: str, record: SessionRecord) -> None: ...
     async def forget(self, tenant: str, session: str) -> None: ...
+    async def announce(self, replica: str, info: ReplicaInfo, ttl_s: float) -> None: ...
+    async def replica(self, replica: str) -> ReplicaInfo | None: ...
+    async def withdraw(self, replica: str) -> None: ...
     async def close(self) -> None: ...
     def describe(self) -> dict: ...
 
 
 class MemorySessionIndex:
     """A dict, bounded so that a flood of one-turn sessions cannot grow it without end."""
+
+    shared = False
 
     def __init__(self, max_sessions: int = 100_000):
         self._records: dict[tuple[str, str], SessionRecord] = {}
@@ -58,6 +78,16 @@ class MemorySessionIndex:
     async def forget(self, tenant: str, session: str) -> None:
         self._records.pop((tenant, session), None)
 
+    # One process, no other replica to know of.
+    async def announce(self, replica: str, info: ReplicaInfo, ttl_s: float) -> None:
+        pass
+
+    async def replica(self, replica: str) -> ReplicaInfo | None:
+        return None
+
+    async def withdraw(self, replica: str) -> None:
+        pass
+
     async def close(self) -> None:
         pass
 
@@ -67,6 +97,8 @@ class MemorySessionIndex:
 
 class RedisSessionIndex:
     """Redis first, the local copy when Redis cannot answer (and for what was written meanwhile)."""
+
+    shared = True
 
     def __init__(self, url: str, *, timeout: float = 0.5):
         import redis.asyncio as redis
@@ -79,6 +111,10 @@ class RedisSessionIndex:
     @staticmethod
     def _key(tenant: str, session: str) -> str:
         return f"attnstore:session:{tenant}:{session}"
+
+    @staticmethod
+    def _replica_key(replica: str) -> str:
+        return f"attnstore:replica:{replica}"
 
     def _usable(self) -> bool:
         return self._down_since is None or time.monotonic() >= self._retry_at
@@ -121,6 +157,40 @@ class RedisSessionIndex:
         if self._usable():
             try:
                 await self._redis.delete(self._key(tenant, session))
+                self._recovered()
+            except Exception as exc:
+                self._failed(exc)
+
+    async def announce(self, replica: str, info: ReplicaInfo, ttl_s: float) -> None:
+        """Say this replica is alive for the next `ttl_s` seconds (a Redis key that expires)."""
+        if self._usable():
+            try:
+                await self._redis.set(
+                    self._replica_key(replica), orjson.dumps(asdict(info)), px=max(1, int(ttl_s * 1000))
+                )
+                self._recovered()
+            except Exception as exc:
+                self._failed(exc)
+
+    async def replica(self, replica: str) -> ReplicaInfo | None:
+        """The replica's last heartbeat, or None when it expired (or Redis cannot tell)."""
+        if not self._usable():
+            return None
+        try:
+            raw = await self._redis.get(self._replica_key(replica))
+            self._recovered()
+        except Exception as exc:
+            self._failed(exc)
+            return None
+        try:
+            return ReplicaInfo(**orjson.loads(raw)) if raw else None
+        except (TypeError, ValueError):  # written by another version: as good as no heartbeat
+            return None
+
+    async def withdraw(self, replica: str) -> None:
+        if self._usable():
+            try:
+                await self._redis.delete(self._replica_key(replica))
                 self._recovered()
             except Exception as exc:
                 self._failed(exc)

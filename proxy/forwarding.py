@@ -1,0 +1,206 @@
+"""KV-aware forwarding between replicas: a turn goes to the replica that holds its KV hot.
+
+Every replica with `proxy.advertise_url` and a shared (Redis) session index announces its address and load
+(jobs queued or running) with a heartbeat that expires after three missed beats. A replica that receives a
+local turn whose session another live replica holds in L0/L1 (the session index says which replica and
+tier) forwards it there, unless that replica's load exceeds its own by more than
+`proxy.forward_max_queue_gap`: then it serves the turn itself from the shared L2 (an `l2_hit`), as
+NVIDIA Dynamo's KV router weighs overlap against load.
+
+- One hop at most: a forwarded request carries `X-AttentionStore-Forwarded-By`, and a request carrying it
+  is always served where it lands (the balancer removes the header from clients' requests).
+- As-is: the client's headers (its key included: the owner authenticates it and derives the same tenant)
+  and body (the session field included) go to the owner; the owner's status, headers (its
+  `X-AttentionStore-Replica`) and body come back chunk by chunk. `X-AttentionStore-TTFT-Ms` is the
+  owner's plus the time the turn spent here before it left.
+- Never a failed request for a dead or slow owner: a connect that fails or takes longer than
+  `proxy.forward_connect_timeout_s`, a connection lost before the owner's answer began, or a 503 (the
+  owner's queue is full) costs that one attempt, and the turn is served here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from .backend import RequestContext
+from .chat_request import ChatRequest
+from .headers import TTFT
+from .keys import HTTP_CLIENT, LOCAL_RUNNER
+from .session_index import ReplicaInfo, SessionIndex, SessionRecord
+from .settings import Settings, replica_id
+from .upstream import HOP_BY_HOP, response_headers
+
+log = logging.getLogger("attnstore.forwarding")
+
+FORWARDED_BY = "X-AttentionStore-Forwarded-By"
+# Tiers a replica holds in memory (kvtier's MEMORY_TIERS; importing kvtier here would load torch).
+MEMORY_TIERS = ("l0", "l1")
+# A replica is taken for dead once it missed this many heartbeats.
+MISSED_BEATS = 3
+_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length"}
+
+
+def forward_target(
+    record: SessionRecord | None,
+    owner: ReplicaInfo | None,
+    *,
+    me: str,
+    own_load: int,
+    max_gap: int,
+) -> str | None:
+    """The owner's URL when the turn should go there, else None (serve it here)."""
+    if record is None or record.replica == me or record.tier not in MEMORY_TIERS:
+        return None
+    if owner is None or not owner.url:  # no heartbeat: dead, gone, or Redis cannot tell
+        return None
+    if owner.load - own_load > max_gap:  # much busier than this one: the shared L2 is faster
+        return None
+    return owner.url.rstrip("/")
+
+
+def forward_headers(client: Mapping[str, str], me: str) -> CIMultiDict[str]:
+    """The client's headers as they came (minus hop-by-hop ones), marked as forwarded by `me`."""
+    tokens = {t.strip().lower() for t in client.get("Connection", "").split(",") if t.strip()}
+    drop = _DROP_REQUEST | tokens
+    out: CIMultiDict[str] = CIMultiDict((k, v) for k, v in client.items() if k.lower() not in drop)
+    out[FORWARDED_BY] = me
+    return out
+
+
+class Forwarder:
+    def __init__(self, settings: Settings, index: SessionIndex, load: Callable[[], int]):
+        p = settings.proxy
+        self.me = replica_id(settings)
+        self.url = p.advertise_url.rstrip("/")
+        self.index = index
+        self.load = load
+        self.max_gap = p.forward_max_queue_gap
+        self.interval_s = p.heartbeat_s
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=p.forward_connect_timeout_s, sock_read=p.upstream_timeout_s
+        )
+
+    # -- the heartbeat ------------------------------------------------------------------------------
+
+    async def beat(self) -> None:
+        await self.index.announce(
+            self.me, ReplicaInfo(url=self.url, load=self.load()), self.interval_s * MISSED_BEATS
+        )
+
+    async def heartbeat(self, app: web.Application) -> AsyncIterator[None]:
+        """cleanup_ctx: announce this replica while the app runs; withdraw it when the app stops."""
+
+        async def loop() -> None:
+            while True:
+                try:
+                    await self.beat()
+                except Exception:  # the index swallows Redis errors; anything else must not stop beating
+                    log.exception("heartbeat failed")
+                await asyncio.sleep(self.interval_s)
+
+        task = asyncio.create_task(loop(), name="attnstore-heartbeat")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await self.index.withdraw(self.me)
+
+    # -- one turn -------------------------------------------------------------------------------------
+
+    async def try_forward(
+        self, request: web.Request, chat: ChatRequest, ctx: RequestContext
+    ) -> web.StreamResponse | None:
+        """The owner's answer when this turn belongs there, else None (serve it here)."""
+        if FORWARDED_BY in request.headers:
+            return None  # one hop at most
+        record = await self.index.get(ctx.tenant, ctx.session)
+        if record is None or record.replica == self.me or record.tier not in MEMORY_TIERS:
+            return None
+        owner = await self.index.replica(record.replica)
+        url = forward_target(record, owner, me=self.me, own_load=self.load(), max_gap=self.max_gap)
+        if url is None:
+            return None
+        return await self._forward(request, chat, ctx, url + request.raw_path, record.replica)
+
+    async def _forward(
+        self, request: web.Request, chat: ChatRequest, ctx: RequestContext, url: str, owner: str
+    ) -> web.StreamResponse | None:
+        http = request.app[HTTP_CLIENT]
+        sent_at = time.monotonic()
+        try:
+            resp = await http.post(
+                url, data=chat.raw, headers=forward_headers(request.headers, self.me), timeout=self.timeout
+            )
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+            log.warning(
+                "session=%s: replica %s did not take the turn (%s); serving it here",
+                ctx.session,
+                owner,
+                type(exc).__name__,
+            )
+            return None
+        try:
+            if resp.status == 503:  # the owner's queue is full: this replica can still serve it
+                log.info("session=%s: replica %s is full; serving the turn here", ctx.session, owner)
+                return None
+            try:
+                first = await resp.content.readany()
+            except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                log.warning(
+                    "session=%s: replica %s failed before answering (%s); serving the turn here",
+                    ctx.session,
+                    owner,
+                    type(exc).__name__,
+                )
+                return None
+            headers = response_headers(resp.headers)
+            with contextlib.suppress(KeyError, ValueError):
+                hop_ms = (sent_at - ctx.received_at) * 1000.0
+                headers[TTFT] = f"{float(resp.headers[TTFT]) + hop_ms:.2f}"
+            log.debug("session=%s turn=%d forwarded to %s", ctx.session, ctx.turn, owner)
+            out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=headers)
+            await out.prepare(request)
+            if first:
+                await out.write(first)
+            try:
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+            except (asyncio.TimeoutError, aiohttp.ClientError):
+                # The owner died mid-answer; the headers are gone already: cut the client's stream too.
+                resp.close()
+                if request.transport is not None:
+                    request.transport.close()
+                return out
+            await out.write_eof()
+            return out
+        except BaseException:
+            resp.close()  # the client went away: the owner's job is cancelled with the connection
+            raise
+        finally:
+            resp.release()
+
+
+FORWARDER = web.AppKey("forwarder", Forwarder)
+
+
+def install_forwarding(app: web.Application, settings: Settings, index: SessionIndex) -> Forwarder | None:
+    """Turn on the heartbeat and forwarding when this replica has an address and a shared index."""
+    if not (settings.proxy.advertise_url and index.shared):
+        return None
+
+    def load() -> int:
+        runner = app[LOCAL_RUNNER]
+        return runner.queue_depth + runner.running if runner is not None else 0
+
+    forwarder = Forwarder(settings, index, load)
+    app[FORWARDER] = forwarder
+    app.cleanup_ctx.append(forwarder.heartbeat)
+    return forwarder

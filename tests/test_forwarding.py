@@ -1,0 +1,265 @@
+"""KV-aware forwarding between replicas without a model: two proxies in-process with stand-in local
+backends, one real redis-server. What the owner receives, what the client gets back (chunk by chunk),
+and every case where the turn stays where it landed (one hop, a busier owner, a dead or full owner, a
+session not held in memory, no Redis). The same with real replica processes: test_replicas.py."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+import pytest
+import urllib3
+from aiohttp import web
+
+from proxy.app import build_app
+from proxy.errors import APIError
+from proxy.forwarding import FORWARDED_BY, FORWARDER, forward_target
+from proxy.headers import store_headers
+from proxy.keys import LOCAL_RUNNER
+from proxy.session_index import MemorySessionIndex, RedisSessionIndex, ReplicaInfo, SessionRecord
+from proxy.tenant import tenant_of
+from tests.support.threaded_server import free_port
+from tests.support.waiting import wait_until
+
+KEY = "client-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TENANT = tenant_of(AUTH)
+MODEL = "local-model"
+
+
+class StandIn:
+    """A local backend through the seam: answers a two-event SSE stream naming its replica.
+    `gate`: the second event waits for it (proves the forwarder streams, not buffers).
+    `mode`: "full" answers 503 queue_full, "drop" closes the connection before answering."""
+
+    def __init__(self, name: str, mode: str = "ok", gate: threading.Event | None = None):
+        self.name = name
+        self.mode = mode
+        self.gate = gate
+        self.seen: list[tuple[dict[str, str], bytes, Any]] = []
+
+    def supports(self, chat) -> str | None:
+        return None
+
+    async def handle(self, request: web.Request, chat, ctx) -> web.StreamResponse:
+        self.seen.append((dict(request.headers), chat.raw, ctx))
+        if self.mode == "full":
+            raise APIError(503, "The local queue is full; retry later.", code="queue_full")
+        if self.mode == "drop":
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
+        headers = store_headers(
+            cache="l0", route="local", reused=5, session=ctx.session, ttft_ms=1.0, replica=self.name
+        )
+        resp = web.StreamResponse(headers=headers)
+        resp.content_type = "text/event-stream"
+        await resp.prepare(request)
+        await resp.write(b"data: one\n\n")
+        if self.gate is not None:
+            await asyncio.to_thread(self.gate.wait, 30)
+        await resp.write(b"data: two\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def with_index(url: str, use: Callable[[RedisSessionIndex], Awaitable[Any]]) -> Any:
+    """Run `use(index)` on a fresh loop with a fresh client (the apps' indexes live on their own loops)."""
+
+    async def run() -> Any:
+        index = RedisSessionIndex(url)
+        try:
+            return await use(index)
+        finally:
+            await index.close()
+
+    return asyncio.run(run())
+
+
+def own(url: str, session: str, replica: str, tier: str = "l0") -> None:
+    record = SessionRecord(replica=replica, tier=tier, chunk_keys=["c0"], tokens=32)
+    with_index(url, lambda index: index.put(TENANT, session, record))
+
+
+def announce(url: str, replica: str, info: ReplicaInfo, ttl_s: float = 60) -> None:
+    with_index(url, lambda index: index.announce(replica, info, ttl_s))
+
+
+def heartbeat_of(url: str, replica: str) -> ReplicaInfo | None:
+    return with_index(url, lambda index: index.replica(replica))
+
+
+@pytest.fixture
+def replica(redis_server, start_app, make_settings):
+    """start(name, backend, advertise=True, **proxy settings) -> (server, app): a replica on Redis."""
+
+    def start(name: str, backend: StandIn, advertise: bool = True, runner: Any = None, **proxy: Any):
+        port = free_port()
+        settings = make_settings(
+            local_runner={"enabled": True, "models": {MODEL: "/nowhere.gguf"}},
+            proxy={
+                "session_index": redis_server.url,
+                "replica_id": name,
+                "api_keys": [KEY],
+                "advertise_url": f"http://127.0.0.1:{port}" if advertise else "",
+                "heartbeat_s": 0.2,
+                **proxy,
+            },
+        )
+        app = build_app(settings, local_backend=backend, index=RedisSessionIndex(redis_server.url))
+        if runner is not None:
+            app[LOCAL_RUNNER] = runner
+        return start_app(app, port=port), app
+
+    return start
+
+
+def chat(
+    url: str, session: str, headers: dict[str, str] | None = None, **kw: Any
+) -> urllib3.BaseHTTPResponse:
+    body = {
+        "model": MODEL,
+        "session_id": session,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    return urllib3.request(
+        "POST",
+        url + "/v1/chat/completions",
+        body=orjson.dumps(body),
+        headers={"Content-Type": "application/json", **AUTH, **(headers or {})},
+        timeout=30,
+        retries=False,
+        **kw,
+    )
+
+
+def test_a_turn_goes_to_the_live_owner_as_is_and_streams_back_chunk_by_chunk(replica, redis_server):
+    gate = threading.Event()
+    here, there = StandIn("replica-x"), StandIn("replica-o", gate=gate)
+    x, _ = replica("replica-x", here)
+    replica("replica-o", there)
+    wait_until(lambda: heartbeat_of(redis_server.url, "replica-o"), "replica-o's heartbeat", 10)
+    own(redis_server.url, "conv", "replica-o")
+
+    resp = chat(x.url, "conv", {"X-Client-Thing": "kept"}, preload_content=False)
+    assert resp.status == 200
+    assert resp.headers["X-AttentionStore-Replica"] == "replica-o"  # the owner's headers pass through
+    assert resp.headers["X-AttentionStore-Cache"] == "l0_hit"
+    assert float(resp.headers["X-AttentionStore-TTFT-Ms"]) >= 1.0  # the owner's 1.0 plus the hop
+    # The owner's first event reaches the client while the owner still holds back the second one.
+    assert resp.read1() == b"data: one\n\n"
+    gate.set()
+    assert resp.read() == b"data: two\n\n"
+    resp.release_conn()
+
+    assert here.seen == [] and len(there.seen) == 1
+    headers, raw, ctx = there.seen[0]
+    assert headers[FORWARDED_BY] == "replica-x"
+    assert headers["Authorization"] == AUTH["Authorization"] and headers["X-Client-Thing"] == "kept"
+    assert orjson.loads(raw)["session_id"] == "conv"  # the body as the client sent it
+    assert ctx.session == "conv" and ctx.tenant == TENANT
+
+
+def test_a_forwarded_turn_is_served_where_it_lands(replica, redis_server):
+    here, there = StandIn("replica-x"), StandIn("replica-o")
+    x, _ = replica("replica-x", here)
+    replica("replica-o", there)
+    wait_until(lambda: heartbeat_of(redis_server.url, "replica-o"), "replica-o's heartbeat", 10)
+    own(redis_server.url, "conv", "replica-o")
+    resp = chat(x.url, "conv", {FORWARDED_BY: "replica-o"})
+    assert resp.status == 200 and resp.headers["X-AttentionStore-Replica"] == "replica-x"
+    assert there.seen == [] and len(here.seen) == 1
+
+
+def test_a_much_busier_owner_leaves_the_turn_here(replica, redis_server):
+    here, there = StandIn("replica-x"), StandIn("replica-o")
+    x, _ = replica("replica-x", here, forward_max_queue_gap=2)
+    o, _ = replica("replica-o", there, advertise=False)  # its load is what the test announces
+    own(redis_server.url, "conv", "replica-o")
+    announce(redis_server.url, "replica-o", ReplicaInfo(url=o.url, load=3))
+    assert chat(x.url, "conv").headers["X-AttentionStore-Replica"] == "replica-x"
+    announce(redis_server.url, "replica-o", ReplicaInfo(url=o.url, load=2))  # exactly the gap: still there
+    assert chat(x.url, "conv").headers["X-AttentionStore-Replica"] == "replica-o"
+    assert len(here.seen) == 1 and len(there.seen) == 1
+
+
+@pytest.mark.parametrize("owner", ["dead", "full", "drops"])
+def test_a_dead_full_or_failing_owner_costs_one_attempt_never_the_request(
+    replica, redis_server, owner, caplog
+):
+    caplog.set_level(logging.INFO, logger="attnstore.forwarding")
+    here = StandIn("replica-x")
+    x, _ = replica("replica-x", here)
+    if owner == "dead":  # its heartbeat has not expired yet, but nothing listens there any more
+        url = f"http://127.0.0.1:{free_port()}"
+        there = None
+    else:
+        there = StandIn("replica-o", mode="full" if owner == "full" else "drop")
+        url = replica("replica-o", there, advertise=False)[0].url
+    announce(redis_server.url, "replica-o", ReplicaInfo(url=url))
+    own(redis_server.url, "conv", "replica-o")
+    resp = chat(x.url, "conv")
+    assert resp.status == 200 and resp.headers["X-AttentionStore-Replica"] == "replica-x"
+    assert resp.data == b"data: one\n\ndata: two\n\n"
+    assert len(here.seen) == 1
+    if there is not None:
+        assert len(there.seen) == 1  # one attempt, not a retry loop
+    tried = [r for r in caplog.records if r.name == "attnstore.forwarding" and "replica-o" in r.getMessage()]
+    assert len(tried) == 1
+
+
+@pytest.mark.parametrize("case", ["l2", "mine", "expired"])
+def test_a_session_not_hot_elsewhere_is_served_here(replica, redis_server, case):
+    here, there = StandIn("replica-x"), StandIn("replica-o")
+    x, _ = replica("replica-x", here)
+    replica("replica-o", there, advertise=False)
+    if case == "l2":  # the owner has only the shared disk's copy: no better than this replica
+        announce(redis_server.url, "replica-o", ReplicaInfo(url=x.url))
+        own(redis_server.url, "conv", "replica-o", tier="l2")
+    elif case == "mine":
+        own(redis_server.url, "conv", "replica-x")
+    else:  # the owner's heartbeat expired: it is gone
+        announce(redis_server.url, "replica-o", ReplicaInfo(url=x.url), ttl_s=0.05)
+        wait_until(lambda: heartbeat_of(redis_server.url, "replica-o") is None, "the heartbeat to expire", 10)
+        own(redis_server.url, "conv", "replica-o")
+    assert chat(x.url, "conv").headers["X-AttentionStore-Replica"] == "replica-x"
+    assert there.seen == []
+
+
+def test_the_heartbeat_announces_address_and_load_and_is_withdrawn_at_stop(replica, redis_server):
+    # The load is read at each beat: what the runner has queued and running.
+    runner = SimpleNamespace(queue_depth=2, running=1, close=lambda: None)
+    x, _ = replica("replica-x", StandIn("replica-x"), runner=runner)
+    wait_until(
+        lambda: (heartbeat_of(redis_server.url, "replica-x") or ReplicaInfo("")).load == 3, "a beat", 10
+    )
+    info = heartbeat_of(redis_server.url, "replica-x")
+    assert info is not None and info.url == x.url
+    x.stop()
+    assert heartbeat_of(redis_server.url, "replica-x") is None  # gone at once, not after its TTL
+
+
+def test_without_redis_nothing_changes(make_settings):
+    settings = make_settings(
+        local_runner={"enabled": True, "models": {MODEL: "/nowhere.gguf"}},
+        proxy={"advertise_url": "http://127.0.0.1:1"},
+    )
+    app = build_app(settings, local_backend=StandIn("x"), index=MemorySessionIndex())
+    assert FORWARDER not in app and len(app.cleanup_ctx) == 1  # the HTTP client only: no heartbeat
+
+
+def test_forward_target_weighs_the_owner_against_its_load():
+    hot = SessionRecord(replica="o", tier="l1")
+    live = ReplicaInfo(url="http://o:8080/", load=5)
+    assert forward_target(hot, live, me="x", own_load=1, max_gap=4) == "http://o:8080"
+    assert forward_target(hot, live, me="x", own_load=0, max_gap=4) is None
+    assert forward_target(hot, None, me="x", own_load=0, max_gap=4) is None
+    assert forward_target(SessionRecord(replica="o", tier="l2"), live, me="x", own_load=9, max_gap=4) is None
+    assert forward_target(SessionRecord(replica="x", tier="l0"), live, me="x", own_load=9, max_gap=4) is None
