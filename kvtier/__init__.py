@@ -5,6 +5,7 @@ Knows tensors and files only. See store.KVStore for the API the runner uses.
 
 from .config import ChunkRef, PrefixMatch, StoreConfig
 from .layout import KVLayout
+from .pressure import available_memory_bytes
 from .restore import KVLoadError, RestoredKV
 from .schedule import Schedule
 from .stats import StoreStats, TierStats
@@ -24,4 +25,5 @@ __all__ = [
     "TIERS",
     "Tier",
     "TierStats",
+    "available_memory_bytes",
 ]

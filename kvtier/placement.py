@@ -122,6 +122,37 @@ class Placement:
         if not entry.usable:
             self._index.remove(key)
 
+    def demote_all(self, tier: Tier, copies: list[Copy]) -> int:
+        """Evict every evictable chunk of a memory tier (L0 demotes to L1 where it fits). Bytes freed."""
+        evictable = self._evictable(tier)
+        freed = 0
+        for key in self.budgets[tier].lru_keys():
+            e = self._index.get(key)
+            if e is not None and evictable(key):
+                freed += e.nbytes
+                self._evict_mem(tier, key, copies)
+        return freed
+
+    def shed(self, nbytes: int, tiers: Sequence[Tier] = ("l1", "l0")) -> int:
+        """Memory pressure: drop the memory copies of chunks that are safe on disk (never pinned or
+        protected ones), in eviction order, until `nbytes` are freed. Returns the bytes freed."""
+        freed = 0
+        for tier in tiers:
+            budget = self.budgets[tier]
+            evictable = self._evictable(tier)
+            for key in eviction_order(budget.lru_keys(), self.schedule):
+                if freed >= nbytes:
+                    return freed
+                e = self._index.get(key)
+                if e is None or not e.on_disk or not evictable(key):
+                    continue
+                budget.remove(key)
+                budget.evictions += 1
+                e.data, e.mem_tier = None, None
+                self.on_evict(e)
+                freed += e.nbytes
+        return freed
+
     def commit(self, copies: list[Copy]) -> None:
         """Swap in the finished copies of entries still placed where the copy was meant for."""
         for c in copies:

@@ -56,6 +56,26 @@ class KVStore:
     def chain_keys(self, namespace: str, token_ids: Sequence[int]) -> list[str]:
         return chain(self._root_key(namespace), list(token_ids), self.config.chunk_tokens)
 
+    def chain_tokens(self, namespace: str, keys: Sequence[str]) -> list[int]:
+        """The token ids of a stored chain of chunk keys (a sequence as put() returned its keys), up to
+        the first key that is missing, not this namespace's, or not the next link of the chain. Adopts
+        files another replica wrote, as lookup() does with hint keys."""
+        s = self._s
+        tokens: list[int] = []
+        parent = self._root_key(namespace)
+        for key in keys:
+            with s.lock:
+                entry = s.index.get(key)
+            if entry is None and adopt_key(s, key):
+                with s.lock:
+                    entry = s.index.get(key)
+            chunk = entry.chunk if entry is not None and entry.usable else None
+            if chunk is None or chunk.namespace != namespace or chunk.parent != parent:
+                break
+            tokens.extend(chunk.token_ids)
+            parent = key
+        return tokens
+
     # ---- lookup and pinning -------------------------------------------------------------------------
 
     def lookup(
@@ -134,6 +154,25 @@ class KVStore:
         """Bring the match's chunks up in the background (disk to host, into L0 where it has room without
         evicting what the schedule protects): the scheduler's look-ahead. Never raises."""
         self._prefetching.prefetch(match)
+
+    def shed_memory(self, nbytes: int) -> int:
+        """The machine runs short of memory: free up to `nbytes` of L1 then L0 by dropping the memory
+        copies of chunks that are safe in L2 (pinned and schedule-protected chunks stay). Returns bytes
+        freed (their tensors go as soon as no load is reading them)."""
+        with self._s.lock:
+            return self._s.placement.shed(nbytes)
+
+    def shed_device_memory(self) -> int:
+        """The device ran out of memory: move every evictable L0 chunk to L1 (or drop its memory copy
+        when L1 has no room and it is on disk). Returns the bytes that left L0."""
+        s = self._s
+        copies: list[Copy] = []
+        with s.lock:
+            freed = s.placement.demote_all("l0", copies)
+        s.move(copies)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
 
     def wait_prefetched(self, timeout: float | None = None) -> bool:
         """Block until every prefetch asked for so far has run (False if the timeout passed first)."""

@@ -39,6 +39,10 @@ class TierBudget:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def lru_keys(self) -> list[str]:
+        """Keys, least recently used first."""
+        return list(self._lru)
+
     def add(self, key: str, nbytes: int) -> None:
         """Record a key; the caller made room first (see victims)."""
         if key in self._lru:
