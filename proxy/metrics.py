@@ -35,6 +35,16 @@ class _StoreCollector(Collector):
         pending = GaugeMetricFamily(
             "attnstore_saves_pending", "L2 writes queued or running", labels=["model"]
         )
+        reused = CounterMetricFamily(
+            "attnstore_store_reused_tokens",
+            "Matched prompt tokens by the tier their KV came from",
+            labels=["model", "tier"],
+        )
+        prefetch = CounterMetricFamily(
+            "attnstore_prefetch_chunks",
+            "Look-ahead prefetches: issued, completed, used by a job, wasted (evicted unused)",
+            labels=["model", "outcome"],
+        )
         for model, s in self._stats().items():
             for tier, t in s.get("tiers", {}).items():
                 used.add_metric([model, tier], t.get("used_bytes", 0))
@@ -47,7 +57,11 @@ class _StoreCollector(Collector):
             loaded.add_metric([model], s.get("bytes_loaded", 0))
             saved.add_metric([model], s.get("bytes_saved", 0))
             pending.add_metric([model], s.get("saves_pending", 0))
-        yield from (used, cap, entries, hits, misses, evictions, loaded, saved, pending)
+            for tier, n in s.get("reused_tokens", {}).items():
+                reused.add_metric([model, tier], n)
+            for outcome in ("issued", "completed", "used", "wasted"):
+                prefetch.add_metric([model, outcome], s.get(f"prefetch_{outcome}", 0))
+        yield from (used, cap, entries, hits, misses, evictions, loaded, saved, pending, reused, prefetch)
 
 
 class Metrics:
