@@ -20,6 +20,7 @@ from .middleware import error_middleware
 from .routes_chat import chat_completions
 from .routes_misc import healthz, list_models
 from .routes_store import forget_session, metrics, stats, store_stats
+from .server_log import install_bad_request_log
 from .session_index import MemorySessionIndex, SessionIndex, open_session_index
 from .settings import Settings
 from .upstream import forward_chat
@@ -47,6 +48,9 @@ async def _close_local(app: web.Application) -> None:
     runner = app[LOCAL_RUNNER]
     if runner is not None:
         await asyncio.to_thread(runner.close)
+    pool = getattr(app[LOCAL_BACKEND], "tokenize_pool", None)
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
     await app[SESSION_INDEX].close()
 
 
@@ -56,9 +60,13 @@ def build_app(
     local_backend: LocalBackend | None = None,
     index: SessionIndex | None = None,
 ) -> web.Application:
+    install_bad_request_log()
     app = web.Application(
         client_max_size=int(settings.proxy.max_body_mb * 1024 * 1024),
         middlewares=[error_middleware],
+        # An idle keep-alive connection, or one that never completes its request headers, is closed;
+        # after an early answer (408, 413) the unread rest of a body is drained for 2 s at most, not 10.
+        handler_args={"keepalive_timeout": settings.proxy.keepalive_timeout_s, "lingering_time": 2.0},
     )
     app[SETTINGS] = settings
     app[LOCAL_BACKEND] = local_backend

@@ -56,6 +56,9 @@ def parse_chat(raw: bytes) -> ChatRequest:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object.", param="stream_options")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise bad_request("'n' must be a positive integer.", param="n")
     include_usage = bool(options and options.get("include_usage") is True)
     return ChatRequest(
         body=body,

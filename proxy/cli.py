@@ -11,6 +11,7 @@ import sys
 
 from aiohttp import web
 
+from .limits import check_bind
 from .settings import Settings, SettingsError, load_settings
 
 
@@ -58,6 +59,10 @@ def serve(args: argparse.Namespace) -> int:
     setup_logging(settings.proxy.log_level)
     host = args.host or settings.proxy.host
     port = settings.proxy.port if args.port is None else args.port
+    refusal = check_bind(host, settings.proxy.api_keys, settings.proxy.allow_unauthenticated_public_bind)
+    if refusal is not None:
+        print(f"attnstore: {refusal}", file=sys.stderr)
+        return 2
     app = build(settings)
     if app is None:
         return 1

@@ -1,4 +1,5 @@
-"""Every error leaves as an OpenAI error object; client auth on /v1/*; nothing a client sends is a 5xx."""
+"""Every error leaves as an OpenAI error object; client auth on everything but /healthz; nothing a client
+sends is a 5xx; a body that arrives too slowly is a 408."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ log = logging.getLogger("attnstore")
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
-        if request.path.startswith("/v1/"):
-            check_client_auth(request.headers, request.app[SETTINGS].proxy.api_keys)
+        if request.path != "/healthz":  # with keys set, every endpoint but /healthz needs one
+            proxy = request.app[SETTINGS].proxy
+            check_client_auth(request.headers, proxy.api_keys, proxy.admin_keys)
         return await handler(request)
     except APIError as exc:
         return error_response(exc)

@@ -129,9 +129,25 @@ class ProxySettings(_Strict):
     heartbeat_s: Annotated[float, Meta(gt=0)] = 1.0
     # Client authentication: when non-empty, a request must carry one of these bearer keys.
     api_keys: list[str] = field(default_factory=list)
+    # Keys that also see every tenant's stats and /metrics (each is a valid client key too).
+    admin_keys: list[str] = field(default_factory=list)
+    # Listening on anything but loopback without api_keys is refused at start unless this says so.
+    allow_unauthenticated_public_bind: bool = False
+    # Local requests one client (key, or remote address when anonymous) may have in flight; 0: no limit.
+    max_concurrent_per_client: NonNegativeInt = 4
+    # Threads that tokenize prompts (a bounded pool of its own, never the default executor).
+    tokenize_threads: PositiveInt = 2
     max_body_mb: Annotated[float, Meta(gt=0)] = 16
+    # Reading a request body slower than this is a 408; an idle keep-alive connection (or one that
+    # never completes its headers) is closed after keepalive_timeout_s.
+    body_read_timeout_s: Annotated[float, Meta(gt=0)] = 30
+    keepalive_timeout_s: Annotated[float, Meta(gt=0)] = 15
     upstream_connect_timeout_s: Annotated[float, Meta(gt=0)] = 10
     upstream_timeout_s: Annotated[float, Meta(gt=0)] = 600
+    # An upstream that sends no first byte (headers) in this long is a 504; once streaming, no chunk
+    # for upstream_idle_timeout_s ends the stream with an error event.
+    upstream_first_byte_timeout_s: Annotated[float, Meta(gt=0)] = 60
+    upstream_idle_timeout_s: Annotated[float, Meta(gt=0)] = 60
     models_timeout_s: Annotated[float, Meta(gt=0)] = 2
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -176,7 +192,7 @@ def _check_values(s: Settings, base_dir: Path, check_paths: bool) -> None:
     if s.attention_store.enabled and check_paths:
         l2 = resolve_path(s.attention_store.tiering.l2_disk.path, base_dir)
         try:
-            l2.mkdir(parents=True, exist_ok=True)
+            l2.mkdir(mode=0o700, parents=True, exist_ok=True)  # owner only: L2 holds token ids
         except OSError as exc:
             raise SettingsError(
                 f"attention_store.tiering.l2_disk.path: cannot create {str(l2)!r}: {exc.strerror}"
@@ -216,6 +232,12 @@ def parse_settings(
     redis_url = environ.get("ATTNSTORE_REDIS_URL")
     if redis_url:
         settings.proxy.session_index = redis_url
+    # Client and admin keys from the environment (comma-separated; e.g. a compose env file), so they
+    # need not sit in the settings file; they replace the file's lists.
+    for var, attr in (("ATTNSTORE_API_KEYS", "api_keys"), ("ATTNSTORE_ADMIN_KEYS", "admin_keys")):
+        keys = [k.strip() for k in environ.get(var, "").split(",") if k.strip()]
+        if keys:
+            setattr(settings.proxy, attr, keys)
     # Per-process values that a shared settings file cannot hold (secrets, each replica's own name and
     # address): docker-compose passes them in the environment. A variable set but empty is ignored.
     keys = [k.strip() for k in environ.get("ATTNSTORE_API_KEYS", "").split(",") if k.strip()]

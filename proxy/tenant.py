@@ -1,4 +1,9 @@
-"""Who is calling: tenant id = short sha256 of the bearer key (or "anonymous"); optional client auth."""
+"""Who is calling: tenant id = short sha256 of the bearer key (or "anonymous"); optional client auth.
+
+Without `proxy.api_keys` every caller is the tenant "anonymous" and shares its stored KV: a second
+client sending the same messages learns (reused tokens, `cached_tokens`) that someone sent them. That is
+safe only where one user (or one trusting team) reaches the proxy, as on loopback; a proxy listening
+elsewhere needs keys (cli.py refuses to start without them unless told otherwise)."""
 
 from __future__ import annotations
 
@@ -26,16 +31,30 @@ def tenant_of(headers: Mapping[str, str]) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def check_client_auth(headers: Mapping[str, str], api_keys: Sequence[str]) -> None:
-    """Raise a 401 OpenAI error unless `api_keys` is empty or the bearer key is one of them."""
-    if not api_keys:
+def _matches(key: str, keys: Sequence[str]) -> bool:
+    # Compare against every key in constant time so timing reveals nothing about which one almost matched.
+    ok = False
+    for allowed in keys:
+        ok |= hmac.compare_digest(key.encode(), allowed.encode())
+    return ok
+
+
+def check_client_auth(
+    headers: Mapping[str, str], api_keys: Sequence[str], admin_keys: Sequence[str] = ()
+) -> None:
+    """Raise a 401 OpenAI error unless no key is configured or the bearer key is a client or admin key."""
+    if not api_keys and not admin_keys:
         return
     key = bearer_key(headers)
     if key is None:
         raise APIError(401, "Missing bearer API key (Authorization: Bearer <key>).", code="invalid_api_key")
-    # Compare against every key in constant time so timing reveals nothing about which one almost matched.
-    ok = False
-    for allowed in api_keys:
-        ok |= hmac.compare_digest(key.encode(), allowed.encode())
-    if not ok:
+    if not _matches(key, [*api_keys, *admin_keys]):
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
+def is_admin(headers: Mapping[str, str], api_keys: Sequence[str], admin_keys: Sequence[str]) -> bool:
+    """Whether the caller sees every tenant: an admin key, or no keys configured at all (one user)."""
+    if not api_keys and not admin_keys:
+        return True
+    key = bearer_key(headers)
+    return key is not None and _matches(key, admin_keys)

@@ -7,6 +7,7 @@ answer reaches the client exactly as the upstream sent it, Content-Encoding incl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import Mapping
@@ -20,7 +21,7 @@ from yarl import URL
 from .access_log import log_turn
 from .backend import RequestContext
 from .chat_request import ChatRequest
-from .errors import APIError, error_response
+from .errors import APIError, error_body, error_response
 from .headers import TTFT, store_headers
 from .session import SESSION_HEADER
 from .settings import Settings, replica_id
@@ -127,8 +128,9 @@ async def forward_chat(
     http: aiohttp.ClientSession,
 ) -> web.StreamResponse:
     url = upstream_yarl(settings.llm_endpoint.base_url, request.raw_path)
+    p = settings.proxy
     headers = request_headers(
-        request.headers, settings.upstream_api_key, keep_client_key=not settings.proxy.api_keys
+        request.headers, settings.upstream_api_key, keep_client_key=not (p.api_keys or p.admin_keys)
     )
     headers.setdefault("Content-Type", "application/json")
 
@@ -145,9 +147,18 @@ async def forward_chat(
     def elapsed_ms() -> float:
         return (time.monotonic() - ctx.received_at) * 1000.0
 
+    # The first byte (headers and the first body chunk) must come within upstream_first_byte_timeout_s;
+    # after it, each chunk within upstream_idle_timeout_s (and upstream_timeout_s, the socket's limit).
+    first_byte_by = time.monotonic() + settings.proxy.upstream_first_byte_timeout_s
+    idle_s = settings.proxy.upstream_idle_timeout_s
+
+    def first_byte_left() -> float:
+        return max(0.001, first_byte_by - time.monotonic())
+
     try:
-        resp = await http.post(
-            url, data=chat.upstream_bytes(), headers=headers, timeout=request_timeout(settings)
+        resp = await asyncio.wait_for(
+            http.post(url, data=chat.upstream_bytes(), headers=headers, timeout=request_timeout(settings)),
+            first_byte_left(),
         )
     except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
         return _failed(ctx, 504, "The upstream did not answer in time.", tagged(elapsed_ms()))
@@ -158,8 +169,18 @@ async def forward_chat(
         out_headers = response_headers(resp.headers)
         encoded = "Content-Encoding" in resp.headers
         is_sse = resp.content_type == "text/event-stream"
+        if chat.stream and 200 <= resp.status < 300 and not is_sse:
+            # An HTML page or a JSON body where a stream was asked for: never an empty stream.
+            resp.close()
+            return _failed(
+                ctx,
+                502,
+                f"The upstream answered a streamed request with {resp.content_type!r}, "
+                "not text/event-stream.",
+                tagged(elapsed_ms()),
+            )
         try:
-            first = await resp.content.readany()
+            first = await asyncio.wait_for(resp.content.readany(), first_byte_left())
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
             return _failed(ctx, 504, "The upstream did not answer in time.", tagged(elapsed_ms()))
         except aiohttp.ClientError as exc:
@@ -188,12 +209,26 @@ async def forward_chat(
             await stream.prepare(request)
             if first:
                 await stream.write(first)
-            async for chunk in resp.content.iter_any():
+            while True:
+                chunk = await asyncio.wait_for(resp.content.readany(), idle_s)
+                if not chunk:
+                    break
                 await stream.write(chunk)
                 if track:
                     tail = tail[-4096:] + chunk
-        except (asyncio.TimeoutError, aiohttp.ClientError):
-            # Headers are gone already; the only honest signal left is an unfinished stream.
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            # Headers are gone already: an SSE error event says why, then an unfinished stream (no
+            # [DONE], the connection closed) is the signal a client cannot miss.
+            timed_out = isinstance(exc, asyncio.TimeoutError)
+            message = (
+                "The upstream went silent mid-stream." if timed_out else "The upstream failed mid-stream."
+            )
+            with contextlib.suppress(Exception):
+                await stream.write(
+                    b"data: "
+                    + error_body(message, "upstream_timeout" if timed_out else "upstream_error")
+                    + b"\n\n"
+                )
             resp.close()
             if request.transport is not None:
                 request.transport.close()

@@ -187,7 +187,7 @@ def test_upstream_slow_is_504(fake_upstream, start_proxy, make_settings):
     assert client(server).chat.completions.create(model="gpt-fake", messages=MSGS).choices
 
 
-async def test_upstream_silent_mid_stream_ends_the_stream_unfinished(
+async def test_upstream_silent_mid_stream_ends_the_stream_with_an_error_event_unfinished(
     fake_upstream, start_proxy, make_settings
 ):
     fake_upstream.stall_after = 2
@@ -203,7 +203,9 @@ async def test_upstream_silent_mid_stream_ends_the_stream_unfinished(
         except aiohttp.ClientPayloadError:
             pass  # the unfinished chunked body is the signal
     assert time.monotonic() - start < 10
-    assert received.count(b"data: ") == 2 and b"[DONE]" not in received
+    # Two events, then one error event saying why (issue 13), and no [DONE].
+    assert received.count(b"data: ") == 3 and b"[DONE]" not in received
+    assert b'"type":"upstream_timeout"' in received.split(b"data: ")[-1]
     fake_upstream.stall_after = -1
     assert client(server).chat.completions.create(model="gpt-fake", messages=MSGS).choices
 

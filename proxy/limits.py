@@ -1,0 +1,181 @@
+"""Cheap limits that run before any expensive work: who may call, how many local requests one client
+has in flight, and whether a prompt can possibly fit the model's context before it is tokenized.
+
+The prompt bound. Tokenizing is the first expensive step of a local turn (a 10 MB body is ~30 s of CPU),
+so a prompt that cannot fit is refused by counting characters first. A model's tokens decode to at most
+`max_chars_per_token` characters each (the longest token of its vocabulary, measured once per model: 81
+for SmolLM2), so text of more than `max_chars_per_token * limit` characters has more than `limit` tokens
+and can never fit, and neither can more messages than `limit` (every message renders at least one
+token). This bound never refuses a prompt that would fit; what it lets through, the tokenizer decides.
+With `truncate_on_overflow`, the system messages and the last message are always kept, so only they
+are held to the bound; older turns that certainly cannot fit are dropped before tokenizing, oldest
+first (the runner's truncation then drops more by tokens where needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aiohttp import web
+
+from .errors import APIError
+from .tenant import ANONYMOUS, tenant_of
+
+_SYSTEM = ("system", "developer")
+
+
+def chars_of(msg: Any) -> int:
+    """Characters of a message's text (a string, or text parts); anything else counts as nothing here
+    (the renderer refuses it)."""
+    if not isinstance(msg, dict):
+        return 0
+    content = msg.get("content")
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
+
+
+def _too_long(model: str, limit: int, what: str) -> APIError:
+    return APIError(
+        400,
+        f"the prompt cannot fit: {what}; {model} takes at most {limit} tokens here",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+def _role(msg: Any) -> Any:
+    return msg.get("role") if isinstance(msg, dict) else None
+
+
+def precheck_prompt(
+    model: str,
+    messages: Sequence[dict[str, Any]],
+    *,
+    limit: int,
+    max_chars_per_token: int,
+    truncate: bool,
+) -> list[dict[str, Any]]:
+    """The messages worth tokenizing, or a 400 `context_length_exceeded` when they certainly cannot fit
+    in `limit` tokens (see the module's docstring for the bound). Linear in the number of messages."""
+    max_chars = max_chars_per_token * limit
+    msgs = list(messages)
+    body, last = msgs[:-1], msgs[-1:]
+    fixed_chars = sum(chars_of(m) for m in body if _role(m) in _SYSTEM) + sum(chars_of(m) for m in last)
+    if fixed_chars > max_chars:
+        raise _too_long(model, limit, f"its system and last messages have {fixed_chars} characters")
+    total, count = fixed_chars, len(msgs)
+    older = [i for i, m in enumerate(body) if _role(m) not in _SYSTEM]
+    older_chars = [chars_of(body[i]) for i in older]
+    total += sum(older_chars)
+    if not truncate:
+        if total > max_chars:
+            raise _too_long(model, limit, f"its messages have {total} characters")
+        if count > limit:
+            raise _too_long(model, limit, f"it has {count} messages")
+        return msgs
+    # Drop the oldest turns that certainly cannot fit, then any assistant turns left at the head of
+    # the history, which (as after the runner's truncation) starts with a user turn.
+    j = 0
+    while j < len(older) and (total > max_chars or count > limit):
+        total, count, j = total - older_chars[j], count - 1, j + 1
+    if j:
+        while j < len(older) and _role(body[older[j]]) == "assistant":
+            total, count, j = total - older_chars[j], count - 1, j + 1
+    if count > limit:
+        raise _too_long(model, limit, f"it has {count} system messages")
+    if not j:
+        return msgs
+    dropped = set(older[:j])
+    return [m for i, m in enumerate(body) if i not in dropped] + last
+
+
+def max_chars_per_token(tokenizer: Any) -> int:
+    """The most characters one token of this tokenizer's vocabulary decodes to (at least 1)."""
+    vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(1, max((len(tokenizer.convert_tokens_to_string([t])) for t in vocab if t), default=1))
+
+
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The whole body (client_max_size applies: 413 via the error middleware), or a 408 when it does not
+    arrive within `timeout_s`, e.g. a Content-Length larger than what the client sends."""
+    try:
+        return await asyncio.wait_for(request.read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(
+            408,
+            f"The request body did not arrive within {timeout_s:g} s.",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
+
+
+# ---- who is calling, and how many local requests they have in flight --------------------------------
+
+
+def client_id(request: web.Request) -> str:
+    """The tenant (a hash of the key), or the remote address for a caller without a key."""
+    tenant = tenant_of(request.headers)
+    return tenant if tenant != ANONYMOUS else f"addr:{request.remote or '?'}"
+
+
+class ClientLimiter:
+    """At most `limit` requests in flight per client (0: no limit). Used on the event loop only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._in_flight: dict[str, int] = {}
+
+    def acquire(self, client: str) -> Callable[[], None]:
+        """Count one more request of `client` and return its release, or raise a 429."""
+        n = self._in_flight.get(client, 0)
+        if self.limit and n >= self.limit:
+            raise APIError(
+                429,
+                f"Too many concurrent requests from this client (at most {self.limit} served locally "
+                "at once); retry when one has finished.",
+                code="too_many_concurrent_requests",
+            )
+        self._in_flight[client] = n + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            left = self._in_flight.get(client, 1) - 1
+            if left > 0:
+                self._in_flight[client] = left
+            else:
+                self._in_flight.pop(client, None)
+
+        return release
+
+    def in_flight(self, client: str) -> int:
+        return self._in_flight.get(client, 0)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen address is loopback only ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to anything
+
+
+def check_bind(host: str, api_keys: Sequence[str], allow_unauthenticated: bool) -> str | None:
+    """Why the proxy must not start listening on `host`, or None."""
+    if is_loopback(host) or api_keys or allow_unauthenticated:
+        return None
+    return (
+        f"refusing to listen on {host} without client keys: set proxy.api_keys, listen on 127.0.0.1, "
+        "or set proxy.allow_unauthenticated_public_bind to true"
+    )
