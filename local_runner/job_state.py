@@ -20,6 +20,8 @@ from kvtier import KVLoadError, KVStore, PrefixMatch, RestoredKV
 from .job_kv import JobKV
 from .jobs import Failed, Finished, FirstToken, Job, TextDelta
 from .loader import LoadedModel
+from .realign import Realignment, ShiftedKV, ShiftStats, find_realignment, used_tokens_by_tier
+from .rope_shift import RopeShift
 from .sampling import Sampler
 from .text_stream import TextStream
 
@@ -27,7 +29,15 @@ log = logging.getLogger("attnstore.runner")
 
 
 class JobState:
-    def __init__(self, job: Job, lm: LoadedModel, store: KVStore | None):
+    def __init__(
+        self,
+        job: Job,
+        lm: LoadedModel,
+        store: KVStore | None,
+        *,
+        rope: RopeShift | None = None,
+        shift_stats: ShiftStats | None = None,
+    ):
         self.job = job
         self.lm = lm
         self.store = store if job.request.reuse else None
@@ -41,6 +51,9 @@ class JobState:
         self.match: PrefixMatch | None = None
         self.restored: RestoredKV | None = None  # until the restore is known to have succeeded
         self.reused = 0
+        self.rope = rope  # the model's RoPE where a truncated turn may move stored KV
+        self.shift_stats = shift_stats
+        self.realigned: Realignment | None = None  # the kept turns' KV, moved after a truncation
         self._pins = ExitStack()
         self.kv = JobKV(lm.layout, lm.device, self.capacity)
         self.finished = False
@@ -56,6 +69,8 @@ class JobState:
             return
         # The last prompt token is always computed: its logits choose the first answer token.
         match = self.store.lookup(req.namespace, req.prompt_ids[:-1], hint_keys=req.hint_keys)
+        if self.rope is not None and req.previous_keys and self._begin_shifted(match.tokens):
+            return
         if not match.tokens:
             return
         self._pins.enter_context(self.store.acquire(match))
@@ -64,6 +79,30 @@ class JobState:
         self.kv = JobKV(self.lm.layout, self.lm.device, self.capacity, self.restored, match.tokens)
         self.fed_ids = list(req.prompt_ids[: match.tokens])
         self.reused = match.tokens
+
+    def _begin_shifted(self, in_place: int) -> bool:
+        """A truncated turn: restore the session's previous sequence and move the kept turns' KV to their
+        new positions (realign.py), when that reuses more than the `in_place` tokens of an ordinary
+        lookup. The dropped turns in between are read too (one ordinary load), then overwritten."""
+        assert self.store is not None and self.rope is not None
+        req = self.job.request
+        previous = self.store.chain_tokens(req.namespace, req.previous_keys)
+        found = find_realignment(req.prompt_ids, previous)
+        if found is None or found.reused <= in_place:
+            return False
+        source = self.store.lookup(req.namespace, previous[: found.source_end], count=False)
+        found = found.within(source.tokens)
+        if found is None or found.reused <= in_place:
+            return False
+        self._pins.enter_context(self.store.acquire(source))
+        self.match = source
+        self.restored = self.store.load(source, capacity=max(self.capacity, found.source_end))
+        shifted = ShiftedKV(self.restored, found, self.rope)
+        self.kv = JobKV(self.lm.layout, self.lm.device, self.capacity, shifted, found.reused)
+        self.fed_ids = list(req.prompt_ids[: found.reused])
+        self.reused = found.reused
+        self.realigned = found
+        return True
 
     @property
     def restoring(self) -> bool:
@@ -89,7 +128,7 @@ class JobState:
     def recompute(self, exc: BaseException) -> None:
         log.warning("stored KV unreadable (%s); recomputing the prompt", exc)
         self._pins.close()
-        self.match, self.restored, self.reused = None, None, 0
+        self.match, self.restored, self.reused, self.realigned = None, None, 0, None
         self.kv.drop_restored()
         self.fed_ids = []
         if not self._retried_lookup:
@@ -135,17 +174,29 @@ class JobState:
     def _first_token(self, logits: torch.Tensor) -> None:
         self._pins.close()  # the restored KV lives in the job's own buffers now
         token = self.sampler(logits)
+        tiers = self._reused_by_tier()
+        if self.realigned is not None and self.shift_stats is not None:
+            self.shift_stats.count(self.realigned.n)
         self.job.emit(
             FirstToken(
                 reused_tokens=self.reused,
-                tier=self.match.tier if self.match and self.reused else None,
-                tiers={str(t): n for t, n in self.match.tokens_by_tier().items()}
-                if self.match and self.reused
-                else {},
+                # The slowest tier the reused KV came from (the one the turn waited on).
+                tier=next((t for t, n in reversed(tiers.items()) if n), None),
+                tiers=tiers,
                 at=time.monotonic(),
+                position_shift=self.realigned.shift if self.realigned else 0,
             )
         )
         self._accept(token)
+
+    def _reused_by_tier(self) -> dict[str, int]:
+        """Reused tokens per tier, every tier named ({} on a miss); of a shifted restore, only the tokens
+        the prompt uses."""
+        if not (self.match and self.reused):
+            return {}
+        if self.realigned is not None:
+            return used_tokens_by_tier(self.match, self.realigned)
+        return {str(t): n for t, n in self.match.tokens_by_tier().items()}
 
     def _accept(self, token: int) -> None:
         if token in self.lm.eos_token_ids:

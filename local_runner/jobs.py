@@ -22,6 +22,7 @@ class GenerationRequest:
     namespace: str = "anonymous"  # the tenant: KV is never shared across namespaces
     session: str | None = None
     hint_keys: Sequence[str] = ()  # KV chunk keys another replica may have saved on the shared disk
+    previous_keys: Sequence[str] = ()  # a truncated turn: the session's previous sequence, as chunk keys
     reuse: bool = True
 
 

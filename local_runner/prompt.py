@@ -6,7 +6,8 @@ tool calls, audio) is refused with PromptError so the proxy can send the request
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -66,22 +67,70 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[st
     return list(ids)
 
 
-def truncate_history(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]], max_tokens: int
-) -> list[dict[str, Any]]:
-    """Drop the oldest turns (never system messages, never the last message) until the prompt fits.
+# Truncation leaves room: a turn cuts when its prompt would take more than 1 - ANSWER_ROOM of the context,
+# and then drops whole turns until the prompt takes at most 1 - ANSWER_ROOM - HEADROOM. The HEADROOM
+# quarter is what the conversation grows into before it must cut again, so a long conversation cuts once
+# every few turns, and every turn in between is an ordinary prefix hit on the truncated history.
+ANSWER_ROOM = 0.125
+HEADROOM = 0.25
 
-    Leading assistant messages left behind by a dropped user turn go too, so the history still starts
-    with a user turn after the system prompt."""
-    kept = list(messages)
-    while len(render_prompt(tokenizer, kept)) > max_tokens:
-        droppable = [i for i, m in enumerate(kept[:-1]) if m.get("role") not in ("system", "developer")]
-        if not droppable:
+
+def _is_system(message: dict[str, Any]) -> bool:
+    return message.get("role") in ("system", "developer")
+
+
+def _kept(messages: Sequence[dict[str, Any]], cut: int, end: int) -> list[dict[str, Any]]:
+    """messages[:end] without the non-system messages before index `cut`."""
+    return [m for i, m in enumerate(messages[:end]) if i >= cut or _is_system(m)]
+
+
+def fit_history(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict[str, Any]],
+    limit: int,
+    reserve: int = 1,
+) -> tuple[list[int], int]:
+    """(prompt ids, messages dropped): the conversation cut so that it fits `limit` with `reserve` tokens
+    left for the answer, dropping the oldest whole turns (a user message and what follows it up to the
+    next user message) and never a system message or the last message.
+
+    The cut is a function of the conversation that stays put as it grows: the history is replayed turn by
+    turn (the prompt each earlier turn sent ends at its user message) and a turn that crosses the
+    trigger moves the cut forward, with headroom (module constants). The next turn, which the client
+    sends with the whole history again, replays the same earlier turns, finds the same cut, and starts
+    with the same tokens as this turn's prompt and answer: a plain prefix hit. Only a turn whose own
+    `reserve` does not fit (a large max_tokens) cuts further, for itself alone."""
+
+    def length(cut: int, end: int) -> int:
+        return len(render_prompt(tokenizer, _kept(messages, cut, end)))
+
+    n = len(messages)
+    trigger = limit - max(1, int(limit * ANSWER_ROOM))
+    target = int(limit * (1 - ANSWER_ROOM - HEADROOM))
+    ids = render_prompt(tokenizer, messages)
+    if len(ids) <= trigger and len(ids) + reserve <= limit:
+        return ids, 0  # it never crossed the trigger: no earlier turn cut either (prompts only grow)
+    starts = [i for i, m in enumerate(messages) if not _is_system(m) and m.get("role") == "user"]
+    ends = [s + 1 for s in starts if s + 1 < n] + [n]  # each earlier turn's prompt, then this one
+    cut, k = 0, 0
+    while k < len(ends):
+        # The first turn from k on whose prompt crosses the trigger with the current cut (prompts grow).
+        k = bisect.bisect_right(range(len(ends)), trigger, lo=k, key=lambda j: length(cut, ends[j]))
+        if k == len(ends):
             break
-        del kept[droppable[0]]
-        while len(kept) > 1 and kept[0].get("role") == "assistant":
-            del kept[0]
-        first = next((i for i, m in enumerate(kept) if m.get("role") not in ("system", "developer")), None)
-        if first is not None and first < len(kept) - 1 and kept[first].get("role") == "assistant":
-            del kept[first]
-    return kept
+        cut = _cut_to(length, starts, cut, ends[k], target)
+        k += 1
+    if length(cut, n) + reserve > limit:  # this turn's answer needs more room than the headroom left
+        cut = _cut_to(length, starts, cut, n, limit - reserve)
+    kept = _kept(messages, cut, n)
+    return render_prompt(tokenizer, kept), n - len(kept)
+
+
+def _cut_to(length: Callable[[int, int], int], starts: list[int], cut: int, end: int, target: int) -> int:
+    """The earliest turn start after `cut` from which messages up to `end` fit `target` tokens, or the
+    latest one before the last message when none does (that turn's prompt is then refused or served)."""
+    candidates = [s for s in starts if cut < s < end]  # a cut at end - 1 keeps the last message alone
+    if not candidates:
+        return cut
+    i = bisect.bisect_left(candidates, -target, key=lambda s: -length(s, end))
+    return candidates[min(i, len(candidates) - 1)]

@@ -43,13 +43,14 @@ def rope_shift_for(model: Any) -> RopeShift | str:
     inv_freq = getattr(rotary, "original_inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor):
         inv_freq = rotary.inv_freq
+    assert isinstance(inv_freq, torch.Tensor)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if 2 * inv_freq.numel() > head_dim:
         return f"rotary dim {2 * inv_freq.numel()} exceeds the head dim {head_dim}"
     return RopeShift(inv_freq.detach().to("cpu", torch.float32).clone(), model_type in INTERLEAVED_MODELS)
 
 
-def _rotary_module(model: Any) -> torch.nn.Module | None:
+def _rotary_module(model: Any) -> Any:
     for name, module in model.named_modules():
         if name.endswith("rotary_emb") and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
             return module

@@ -15,7 +15,10 @@ from .job_state import JobState
 from .jobs import GenerationRequest, Job
 from .loader import LoadedModel
 from .packed_attention import can_pack, use_packed_attention
-from .prompt import PromptError, render_prompt, truncate_history
+from .prompt import PromptError, fit_history, render_prompt
+from .realign import ShiftStats
+from .rope_config import rope_shift_for
+from .rope_shift import RopeShift
 from .step import Work, run_packed, run_per_job
 from .worker import Worker
 
@@ -28,6 +31,14 @@ class RunnerStats:
     running: int
     cancelled: int  # jobs stopped because their client went away
     stores: dict[str, StoreStats]  # per served model with a KV store
+    shifted_turns: int = 0  # turns that reused KV moved to new positions after a truncation
+    shifted_tokens: int = 0  # the tokens so moved
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    ids: list[int]
+    dropped_messages: int  # the oldest messages truncation left out (0: the whole conversation is in)
 
 
 class Runner:
@@ -43,12 +54,24 @@ class Runner:
         kv_budget_bytes: int = 0,
         max_context_tokens: int | None = None,
         truncate_on_overflow: bool = False,
+        decouple: bool = False,
         batch: bool = True,
     ):
         self.models = dict(models)
         self.stores = dict(stores or {})
         self._max_context = max_context_tokens
         self._truncate = truncate_on_overflow
+        # decouple: a truncated turn moves the kept turns' stored KV to its new positions, for models whose
+        # RoPE allows an exact move; the others recompute after a truncation (said once, here).
+        self._rope: dict[str, RopeShift] = {}
+        if decouple and truncate_on_overflow:
+            for name, lm in self.models.items():
+                rope = rope_shift_for(lm.model)
+                if isinstance(rope, RopeShift):
+                    self._rope[name] = rope
+                else:
+                    log.info("model %s: truncated turns recompute (no position shift): %s", name, rope)
+        self.shift_stats = ShiftStats()
         # batch=False: one forward per job per step for every model (a benchmark's same-run baseline).
         self._packed = {name: batch and self._choose_step(lm) for name, lm in self.models.items()}
         self._worker = Worker(
@@ -83,24 +106,30 @@ class Runner:
         return min(limit, self._max_context) if self._max_context else limit
 
     def render(self, model: str, messages: Sequence[dict[str, Any]], reserve: int = 1) -> list[int]:
-        """Prompt token ids, leaving `reserve` tokens of the context for the answer.
+        """Prompt token ids, leaving `reserve` tokens of the context for the answer (see render_turn)."""
+        return self.render_turn(model, messages, reserve).ids
 
-        A conversation that has outgrown the context loses its oldest turns (system messages and the
-        last message stay) when truncate_on_overflow is set; otherwise it is refused with PromptError,
-        as is content the runner cannot serve."""
+    def render_turn(self, model: str, messages: Sequence[dict[str, Any]], reserve: int = 1) -> RenderedPrompt:
+        """The prompt, leaving `reserve` tokens of the context for the answer.
+
+        A conversation that has outgrown the context loses its oldest whole turns (system messages and
+        the last message stay) when truncate_on_overflow is set, cut with headroom where its later turns
+        cut too (prompt.fit_history); otherwise it is refused with PromptError, as is content the
+        runner cannot serve."""
         tokenizer = self.models[model].tokenizers.get()
         limit = self.context_limit(model)
         reserve = max(1, min(reserve, limit // 4))
-        ids = render_prompt(tokenizer, messages)
-        if len(ids) + reserve > limit and self._truncate:
-            ids = render_prompt(tokenizer, truncate_history(tokenizer, messages, limit - reserve))
+        if self._truncate:
+            ids, dropped = fit_history(tokenizer, messages, limit, reserve)
+        else:
+            ids, dropped = render_prompt(tokenizer, messages), 0
         if len(ids) + reserve > limit:
             raise PromptError(
                 f"the prompt has {len(ids)} tokens; {model} takes at most {limit - reserve} here",
                 "messages",
                 code="context_length_exceeded",
             )
-        return ids
+        return RenderedPrompt(ids, dropped)
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Job:
         """Queue a job (raises worker.QueueFull when the queue is full). max_tokens is capped so that
@@ -131,6 +160,8 @@ class Runner:
             running=self.running,
             cancelled=self.cancelled,
             stores={name: store.stats() for name, store in self.stores.items()},
+            shifted_turns=self.shift_stats.turns,
+            shifted_tokens=self.shift_stats.tokens,
         )
 
     def describe(self) -> dict[str, dict[str, object]]:
@@ -168,7 +199,13 @@ class Runner:
 
     def _start_job(self, job: Job) -> JobState:
         req = job.request
-        return JobState(job, self.models[req.model], self.stores.get(req.model))
+        return JobState(
+            job,
+            self.models[req.model],
+            self.stores.get(req.model),
+            rope=self._rope.get(req.model),
+            shift_stats=self.shift_stats,
+        )
 
     def _prefetch(self, job: Job) -> None:
         req = job.request

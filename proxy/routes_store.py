@@ -49,7 +49,13 @@ async def stats(request: web.Request) -> web.Response:
         "enabled": settings.attention_store.enabled,
         **_sum_stats(per_model),
         "models": per_model,
-        "runner": {"queued": snapshot.queued, "running": snapshot.running, "cancelled": snapshot.cancelled}
+        "runner": {
+            "queued": snapshot.queued,
+            "running": snapshot.running,
+            "cancelled": snapshot.cancelled,
+            "shifted_turns": snapshot.shifted_turns,
+            "shifted_tokens": snapshot.shifted_tokens,
+        }
         if snapshot
         else None,
         "session_index": request.app[SESSION_INDEX].describe(),

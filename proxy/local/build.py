@@ -86,6 +86,7 @@ def build_local_backend(
         lookahead=preload.lookahead_turns if (preload.enabled and aware.enabled) else 0,
         max_context_tokens=settings.attention_store.position_encoding.max_context_tokens,
         truncate_on_overflow=settings.attention_store.position_encoding.truncate_on_overflow,
+        decouple=settings.attention_store.position_encoding.decouple,
     )
     return LocalChatBackend(
         runner,

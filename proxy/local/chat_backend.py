@@ -80,19 +80,21 @@ class LocalChatBackend:
     ) -> web.StreamResponse:
         sampling = sampling_params(chat.body, self.default_max_tokens)
         try:
-            prompt_ids = await asyncio.to_thread(
-                self.runner.render, chat.model, chat.messages, sampling.max_tokens
+            rendered = await asyncio.to_thread(
+                self.runner.render_turn, chat.model, chat.messages, sampling.max_tokens
             )
         except PromptError as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
         record = await self.index.get(ctx.tenant, ctx.session) if self.reuse else None
         gen = GenerationRequest(
             model=chat.model,
-            prompt_ids=prompt_ids,
+            prompt_ids=rendered.ids,
             sampling=sampling,
             namespace=ctx.tenant,
             session=ctx.session,
             hint_keys=tuple(record.chunk_keys) if record and record.replica != self.replica else (),
+            # A truncated turn may move the kept turns' KV out of the session's previous sequence.
+            previous_keys=tuple(record.chunk_keys) if record and rendered.dropped_messages else (),
             reuse=self.reuse,
         )
         try:
@@ -130,7 +132,9 @@ class LocalChatBackend:
         ids = fmt.CompletionIds(
             model=chat.model, system_fingerprint=f"fp_attnstore_{self._fingerprint(chat)}"
         )
-        record = functools.partial(self._record, ctx, cache=cache, ttft_ms=ttft_ms)
+        record = functools.partial(
+            self._record, ctx, cache=cache, ttft_ms=ttft_ms, shift=first.position_shift
+        )
         if not chat.stream:
             return await self._collect(ids, headers, events, record)
         response = web.StreamResponse(headers={**headers, "Cache-Control": "no-cache"})
@@ -177,7 +181,7 @@ class LocalChatBackend:
         raise AssertionError("job ended without Finished or Failed")
 
     async def _record(
-        self, ctx: RequestContext, done: Finished, *, cache: CacheLevel, ttft_ms: float
+        self, ctx: RequestContext, done: Finished, *, cache: CacheLevel, ttft_ms: float, shift: int = 0
     ) -> None:
         label = cache_label(cache)
         log_turn(
@@ -187,6 +191,7 @@ class LocalChatBackend:
             reused=done.reused_tokens,
             prompt=done.prompt_tokens,
             ttft_ms=ttft_ms,
+            shift=shift,
         )
         self.metrics.observe_turn(
             route="local", cache=label, reused=done.reused_tokens, prompt=done.prompt_tokens, ttft_ms=ttft_ms

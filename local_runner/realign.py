@@ -1,0 +1,132 @@
+"""Positional decoupling: after a truncation, reuse the kept turns' stored KV at their new positions.
+
+The session's previous sequence (its last prompt + answer, whose chunks the session index names) held
+the kept turns T positions further on, behind the turns now dropped. `find_realignment` lines the new
+prompt up with it at token level: the common prefix (the system prompt) stays where it is, the run of
+kept tokens that follows is found in the previous sequence wherever it starts (mid-chunk is fine), and
+only what comes after it is prefilled. `ShiftedKV` restores that previous prefix through the store's
+ordinary layer-wise load and, as each layer is first used, moves the kept run down by T positions: keys
+rotated by -T (rope_shift), values copied. The moved KV saw the dropped turns when it was computed, so
+the result is close to a recompute of the truncated text, not equal to it: the one declared exception to
+exact reuse (X-AttentionStore-Position-Shift says T).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier import PrefixMatch
+
+from .job_kv import KV, LayerSource
+from .rope_shift import RopeShift
+
+
+@dataclass(frozen=True)
+class Realignment:
+    """prompt[:keep] is previous[:keep] (reused in place); prompt[keep:keep+n] is previous[src:src+n]
+    (reused, moved down by shift = src - keep positions)."""
+
+    keep: int
+    src: int
+    n: int
+
+    @property
+    def shift(self) -> int:
+        return self.src - self.keep
+
+    @property
+    def reused(self) -> int:
+        return self.keep + self.n
+
+    @property
+    def source_end(self) -> int:
+        """Tokens of the previous sequence the restore must cover."""
+        return self.src + self.n
+
+    def within(self, restorable: int) -> Realignment | None:
+        """This alignment cut to the first `restorable` tokens of the previous sequence (what the store
+        still holds); None when nothing is left to move."""
+        n = min(self.n, restorable - self.src)
+        if n <= 0 or restorable < self.keep:
+            return None
+        return Realignment(self.keep, self.src, n)
+
+
+def _run(a: Sequence[int], i: int, b: Sequence[int], j: int) -> int:
+    """Length of the common run of a[i:] and b[j:]."""
+    n = 0
+    while i + n < len(a) and j + n < len(b) and a[i + n] == b[j + n]:
+        n += 1
+    return n
+
+
+def find_realignment(prompt: Sequence[int], previous: Sequence[int], probe: int = 4) -> Realignment | None:
+    """Where the new prompt's tokens after its common prefix with `previous` sit in `previous` (the
+    longest run, the earliest on ties). The prompt's last token is left out: it is always computed."""
+    limit = len(prompt) - 1
+    keep = _run(prompt[:limit], 0, previous, 0)
+    if keep >= limit:
+        return None
+    want = list(prompt[keep:limit])
+    head = want[: min(probe, len(want))]
+    prev = list(previous)
+    best: Realignment | None = None
+    for src in range(keep + 1, len(prev) - len(head) + 1):
+        if prev[src] != head[0] or prev[src : src + len(head)] != head:
+            continue
+        n = _run(want, 0, prev, src)
+        if best is None or n > best.n:
+            best = Realignment(keep, src, n)
+            if n == len(want):
+                break
+    return best
+
+
+def used_tokens_by_tier(match: PrefixMatch, found: Realignment) -> dict[str, int]:
+    """Reused tokens per tier: only the parts of the restored chunks the prompt uses (the dropped turns in
+    between are loaded, then overwritten)."""
+    counts = dict.fromkeys(("l0", "l1", "l2"), 0)
+    for c in match.chunks:
+        for lo, hi in ((0, found.keep), (found.src, found.source_end)):
+            counts[c.tier] += max(0, min(hi, c.start + c.n_tokens) - max(lo, c.start))
+    return counts
+
+
+class ShiftedKV(LayerSource):
+    """A restored previous sequence, each layer moved into place on first use (on the runner's thread,
+    once per layer): [keep, keep + n) <- [src, src + n), keys rotated by -shift."""
+
+    def __init__(self, restored: LayerSource, found: Realignment, rope: RopeShift) -> None:
+        self._restored = restored
+        self._found = found
+        self._rope = rope
+        self._done: set[int] = set()
+        self._lock = threading.Lock()
+
+    def buffers(self, i: int) -> KV:
+        k, v = self._restored.buffers(i)
+        with self._lock:
+            if i not in self._done:
+                f = self._found
+                with torch.inference_mode():
+                    moved = self._rope.rotate(k[:, :, f.src : f.source_end], -f.shift)
+                    k[:, :, f.keep : f.reused] = moved
+                    v[:, :, f.keep : f.reused] = v[:, :, f.src : f.source_end].clone()
+                self._done.add(i)
+        return k, v
+
+
+@dataclass
+class ShiftStats:
+    """Turns served with position-shifted KV, and the tokens moved (for the store's stats endpoint)."""
+
+    turns: int = 0
+    tokens: int = 0
+
+    def count(self, tokens: int) -> None:
+        self.turns += 1
+        self.tokens += tokens
