@@ -1,94 +1,67 @@
-"""The compose topology by hand: two `attnstore serve` processes, one real Redis, one shared L2 folder."""
+"""The compose topology by hand: two `attnstore serve` processes, one real Redis, one shared L2 folder, and
+a client with no affinity at all (every turn on the other replica). Without forwarding each later turn is
+an `l2_hit` from the shared disk; with it (`proxy.advertise_url` set) each is served from memory by the
+replica holding the conversation, and a killed owner costs no request: the next turn is an `l2_hit` on
+the survivor. Every answer equals a recompute."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
 import pytest
+import redis
 import urllib3
 
 from proxy.app import build_full_app
 from tests.model_fixture import MODEL, REPO
+from tests.support.processes import UNREACHABLE, ReplicaProcess
 from tests.support.threaded_server import free_port
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]
 
-# A process still starting, or a connection refused: not ready yet.
-UNREACHABLE = (urllib3.exceptions.HTTPError, OSError)
-FIRST = [{"role": "user", "content": "Name three colors."}]
+QUESTIONS = ["Name three colors.", "And a fourth?", "Which is warmest?", "Thanks!", "One more color?"]
 
 
-class Replica:
-    """`python -m proxy serve` in its own process, as docker-compose runs each replica."""
-
-    def __init__(self, tmp: Path, name: str, redis_url: str, l2: Path):
-        self.port = free_port()
-        settings = {
-            "attention_store": {"tiering": {"l2_disk": {"path": str(l2)}}},
-            "local_runner": {
-                "kv_chunk_tokens": 16,
-                "cache_dir": str(REPO / "var" / "models"),
-                "device": "cpu",
-                "threads": 1,
-            },
-            "proxy": {"session_index": redis_url, "replica_id": name},
-        }
-        self.settings_file = tmp / f"{name}.json"
-        self.settings_file.write_bytes(orjson.dumps(settings))
-        self.log = (tmp / f"{name}.log").open("wb")
-        env = {k: v for k, v in os.environ.items() if k != "ATTNSTORE_REDIS_URL"}
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "proxy",
-                "serve",
-                "--settings",
-                str(self.settings_file),
-                "--port",
-                str(self.port),
-            ],
-            cwd=tmp,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self) -> Replica:
-        wait_until(
-            lambda: urllib3.request("GET", self.url + "/healthz", timeout=1, retries=False).status == 200,
-            "replica",
-            120,
-            interval=0.1,
-            ignore=UNREACHABLE,
-        )
-        return self
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
-
-
-@pytest.fixture
-def replicas(tmp_path, redis_server):
-    l2 = tmp_path / "shared-l2"
-    started = [Replica(tmp_path, name, redis_server.url, l2) for name in ("replica-a", "replica-b")]
+def start_pair(tmp: Path, redis_url: str, *, forwarding: bool) -> Iterator[list[ReplicaProcess]]:
+    l2 = tmp / "shared-l2"
+    started: list[ReplicaProcess] = []
     try:
+        for name in ("replica-a", "replica-b"):
+            settings = {
+                "attention_store": {"tiering": {"l2_disk": {"path": str(l2)}}},
+                "local_runner": {
+                    "kv_chunk_tokens": 16,
+                    "cache_dir": str(REPO / "var" / "models"),
+                    "device": "cpu",
+                    "threads": 1,
+                },
+                "proxy": {"session_index": redis_url, "replica_id": name},
+            }
+            started.append(ReplicaProcess(tmp, name, settings, advertise=forwarding))
         yield [r.wait_ready() for r in started]
     finally:
         for r in started:
             r.stop()
+
+
+@pytest.fixture
+def replicas(tmp_path, redis_server):
+    yield from start_pair(tmp_path, redis_server.url, forwarding=False)
+
+
+@pytest.fixture
+def forwarding_replicas(tmp_path, redis_server):
+    yield from start_pair(tmp_path, redis_server.url, forwarding=True)
+
+
+@pytest.fixture
+def recompute(start_app, make_settings, smollm) -> str:
+    """The same model with reuse off: what every turn must answer."""
+    settings = make_settings(attention_store={"enabled": False}, local_runner={"enabled": True})
+    return start_app(build_full_app(settings, models={MODEL: smollm})).url
 
 
 def chat(url: str, messages, session: str = "conv-1") -> tuple[str, dict]:
@@ -108,40 +81,71 @@ def saves_done(url: str) -> bool:
     return orjson.loads(urllib3.request("GET", url + "/v1/attention_store/stats").data)["saves_pending"] == 0
 
 
-def test_turn_on_the_other_replica_is_an_l2_hit_and_redis_loss_fails_nothing(
-    replicas, redis_server, start_app, make_settings, smollm
+def turn_messages(history: list[dict], question: str) -> list[dict]:
+    return [*history, {"role": "user", "content": question}]
+
+
+def test_alternating_replicas_without_forwarding_hit_l2_and_redis_loss_fails_nothing(
+    replicas, redis_server, recompute
 ):
     a, b = replicas
-    answer0, h0 = chat(a.url, FIRST)
-    assert h0["X-AttentionStore-Cache"] == "miss"
-    wait_until(lambda: saves_done(a.url), "replica A's L2 writes", 30, ignore=UNREACHABLE)
-
-    history = [
-        *FIRST,
-        {"role": "assistant", "content": answer0},
-        {"role": "user", "content": "And a fourth?"},
-    ]
-    answer1, h1 = chat(b.url, history)
-    assert h1["X-AttentionStore-Cache"] == "l2_hit"
-    assert int(h1["X-AttentionStore-Reused-Tokens"]) > 0
-
-    recompute = start_app(
-        build_full_app(
-            make_settings(attention_store={"enabled": False}, local_runner={"enabled": True}),
-            models={MODEL: smollm},
-        )
-    )
-    expected, _ = chat(recompute.url, history)
-    assert answer1 == expected
+    history: list[dict] = []
+    for turn, question in enumerate(QUESTIONS[:3]):
+        here = (a, b)[turn % 2]
+        messages = turn_messages(history, question)
+        answer, headers = chat(here.url, messages)
+        assert headers["X-AttentionStore-Replica"] == here.name
+        # Turn 0 computes; every later turn finds the previous one's KV on the shared disk only.
+        assert headers["X-AttentionStore-Cache"] == ("miss" if turn == 0 else "l2_hit")
+        if turn:
+            assert int(headers["X-AttentionStore-Reused-Tokens"]) > 0
+            assert answer == chat(recompute, messages)[0]
+        history = [*messages, {"role": "assistant", "content": answer}]
+        wait_until(lambda h=here: saves_done(h.url), f"{here.name}'s L2 writes", 30, ignore=UNREACHABLE)
 
     redis_server.stop()  # Redis dies mid-run: both replicas keep answering from what they hold
-    history2 = [*history, {"role": "assistant", "content": answer1}, {"role": "user", "content": "Thanks!"}]
-    _, h2 = chat(b.url, history2)
-    assert h2["X-AttentionStore-Cache"] == "l0_hit"
-    _, h3 = chat(a.url, [{"role": "user", "content": "Another conversation."}], session="conv-2")
-    assert h3["X-AttentionStore-Route"] == "local"  # chat() asserted the 200
+    _, h3 = chat(a.url, turn_messages(history, QUESTIONS[3]))
+    assert h3["X-AttentionStore-Cache"] == "l0_hit"  # replica A served the last turn
+    _, h4 = chat(b.url, [{"role": "user", "content": "Another conversation."}], session="conv-2")
+    assert h4["X-AttentionStore-Route"] == "local"  # chat() asserted the 200
     health = orjson.loads(urllib3.request("GET", b.url + "/v1/attention_store/stats").data)
     assert health["session_index"] == {"kind": "redis", "connected": False}
+
+
+def test_alternating_replicas_with_forwarding_hit_memory_and_a_killed_owner_fails_nothing(
+    forwarding_replicas, redis_server, recompute
+):
+    a, b = forwarding_replicas
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        wait_until(
+            lambda: r.exists("attnstore:replica:replica-a", "attnstore:replica:replica-b") == 2,
+            "both heartbeats",
+            10,
+        )
+    finally:
+        r.close()
+    history: list[dict] = []
+    for turn, question in enumerate(QUESTIONS[:4]):
+        here = (a, b)[turn % 2]
+        messages = turn_messages(history, question)
+        answer, headers = chat(here.url, messages)
+        # Every turn is served by replica A, which holds the conversation: B forwards its turns there.
+        assert headers["X-AttentionStore-Replica"] == a.name
+        assert headers["X-AttentionStore-Cache"] == ("miss" if turn == 0 else "l0_hit")
+        assert answer == chat(recompute, messages)[0]
+        history = [*messages, {"role": "assistant", "content": answer}]
+    b_stats = orjson.loads(urllib3.request("GET", b.url + "/v1/attention_store/stats").data)
+    assert b_stats["misses"] == 0 and sum(b_stats["hits"].values()) == 0  # B never looked anything up
+
+    wait_until(lambda: saves_done(a.url), "replica A's L2 writes", 30, ignore=UNREACHABLE)
+    a.kill()  # kill -9: its heartbeat is still in Redis, but nothing answers at its address
+    messages = turn_messages(history, QUESTIONS[4])
+    answer, headers = chat(b.url, messages)
+    assert headers["X-AttentionStore-Replica"] == b.name
+    assert headers["X-AttentionStore-Cache"] == "l2_hit"
+    assert answer == chat(recompute, messages)[0]
+    assert "did not take the turn" in b.log_tail(20000)
 
 
 def test_unreachable_redis_at_start_degrades_to_the_local_index(start_app, make_settings, smollm):
@@ -150,9 +154,10 @@ def test_unreachable_redis_at_start_degrades_to_the_local_index(start_app, make_
         proxy={"session_index": f"redis://127.0.0.1:{free_port()}/0"},
     )
     server = start_app(build_full_app(settings, models={MODEL: smollm}))
-    answer, h0 = chat(server.url, FIRST)
+    first = [{"role": "user", "content": QUESTIONS[0]}]
+    answer, h0 = chat(server.url, first)
     assert h0["X-AttentionStore-Cache"] == "miss"
     _, h1 = chat(
-        server.url, [*FIRST, {"role": "assistant", "content": answer}, {"role": "user", "content": "More?"}]
+        server.url, [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "More?"}]
     )
     assert h1["X-AttentionStore-Cache"] == "l0_hit"

@@ -41,12 +41,22 @@ def _end(proc: subprocess.Popen, grace_s: float = 20) -> None:
 
 class ReplicaProcess:
     """`python -m proxy serve --settings <file> --port <free port>` with `settings` (a dict) and
-    `env` added to this process's environment (ATTNSTORE_* variables of the caller's are not inherited)."""
+    `env` added to this process's environment (ATTNSTORE_* variables of the caller's are not inherited).
+    `advertise`: its own URL as ATTNSTORE_ADVERTISE_URL (with a Redis index: heartbeat and forwarding)."""
 
-    def __init__(self, workdir: Path, name: str, settings: dict[str, Any], env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        workdir: Path,
+        name: str,
+        settings: dict[str, Any],
+        env: dict[str, str] | None = None,
+        *,
+        advertise: bool = False,
+    ):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        env = {**(env or {}), **({"ATTNSTORE_ADVERTISE_URL": self.url} if advertise else {})}
         self.settings_file = workdir / f"{name}.json"
         self.settings_file.write_bytes(orjson.dumps(settings))
         self.log_path = workdir / f"{name}.log"
@@ -58,7 +68,7 @@ class ReplicaProcess:
             cwd=workdir,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**base, "PYTHONPATH": str(REPO), **(env or {})},
+            env={**base, "PYTHONPATH": str(REPO), **env},
         )
 
     def wait_ready(self, timeout: float = 120) -> ReplicaProcess:
