@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
+from .errors import APIError
 from .keys import LOCAL_RUNNER, METRICS, SESSION_INDEX, SETTINGS
-from .tenant import check_client_auth, tenant_of
+from .tenant import check_client_auth, is_admin, tenant_of
 
 if TYPE_CHECKING:  # torch loads only when the local runner is enabled
     from local_runner.runner import Runner, RunnerStats
@@ -39,14 +40,29 @@ def store_stats(runner: Runner | None) -> dict[str, dict[str, Any]]:
     return _per_model(runner.stats() if runner else None)
 
 
+def _admin(request: web.Request) -> bool:
+    proxy = request.app[SETTINGS].proxy
+    check_client_auth(request.headers, proxy.api_keys, proxy.admin_keys)
+    return is_admin(request.headers, proxy.api_keys, proxy.admin_keys)
+
+
 async def stats(request: web.Request) -> web.Response:
+    """Every tenant's numbers for an admin key (or when no keys are configured: one user); a client
+    key sees its own scope only: the store's counters are shared by every tenant, so they are not shown."""
     settings = request.app[SETTINGS]
-    check_client_auth(request.headers, settings.proxy.api_keys)
+    if not _admin(request):
+        body = {
+            "enabled": settings.attention_store.enabled,
+            "scope": "tenant",
+            "tenant": tenant_of(request.headers),
+        }
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
     runner = request.app[LOCAL_RUNNER]
     snapshot = await asyncio.to_thread(runner.stats) if runner else None
     per_model = _per_model(snapshot)
     body = {
         "enabled": settings.attention_store.enabled,
+        "scope": "all",
         **_sum_stats(per_model),
         "models": per_model,
         "runner": {
@@ -66,16 +82,23 @@ async def stats(request: web.Request) -> web.Response:
 async def forget_session(request: web.Request) -> web.Response:
     """Drop the caller's session (this tenant only) from every tier and from the session index."""
     settings = request.app[SETTINGS]
-    check_client_auth(request.headers, settings.proxy.api_keys)
+    check_client_auth(request.headers, settings.proxy.api_keys, settings.proxy.admin_keys)
     session = request.match_info["session_id"]
     tenant = tenant_of(request.headers)
     runner = request.app[LOCAL_RUNNER]
+    index = request.app[SESSION_INDEX]
+    known = await index.get(tenant, session) is not None
     dropped = await asyncio.to_thread(runner.forget_session, tenant, session) if runner else 0
-    await request.app[SESSION_INDEX].forget(tenant, session)
-    body = {"id": session, "object": "attention_store.session.deleted", "deleted": True, "chunks": dropped}
+    await index.forget(tenant, session)
+    # deleted: whether this tenant had anything under that session (an unknown one answers false).
+    deleted = known or dropped > 0
+    body = {"id": session, "object": "attention_store.session.deleted", "deleted": deleted, "chunks": dropped}
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text: every tenant's traffic, so with keys configured an admin key only."""
+    if not _admin(request):
+        raise APIError(403, "/metrics needs an admin key (proxy.admin_keys).", code="admin_key_required")
     body = await asyncio.to_thread(request.app[METRICS].render)
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

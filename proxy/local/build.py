@@ -96,4 +96,7 @@ def build_local_backend(
         reuse=settings.attention_store.enabled,
         default_max_tokens=lr.max_tokens_default,
         overflow=overflow,
+        max_concurrent_per_client=settings.proxy.max_concurrent_per_client,
+        tokenize_threads=settings.proxy.tokenize_threads,
+        truncate_on_overflow=settings.attention_store.position_encoding.truncate_on_overflow,
     )

@@ -10,14 +10,16 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeGuard
 
 from aiohttp import web
 
 from kvtier import TIERS, Tier
 from local_runner.jobs import Failed, Finished, FirstToken, GenerationRequest, Job, TextDelta
+from local_runner.params import SamplingParams
 from local_runner.prompt import PromptError
-from local_runner.runner import Runner
+from local_runner.runner import RenderedPrompt, Runner
 from local_runner.worker import QueueFull
 
 from .. import openai_format as fmt
@@ -26,6 +28,7 @@ from ..backend import RequestContext
 from ..chat_request import ChatRequest
 from ..errors import APIError, error_body, error_response
 from ..headers import CacheLevel, cache_label, store_headers
+from ..limits import ClientLimiter, client_id, max_chars_per_token, precheck_prompt
 from ..metrics import Metrics
 from ..session_index import SessionIndex, SessionRecord
 from .options import sampling_params, unsupported_reason
@@ -60,6 +63,9 @@ class LocalChatBackend:
         reuse: bool = True,
         default_max_tokens: int = 512,
         overflow: UpstreamFallback | None = None,
+        max_concurrent_per_client: int = 0,
+        tokenize_threads: int = 2,
+        truncate_on_overflow: bool = False,
     ):
         self.runner = runner
         self.index = index
@@ -69,6 +75,12 @@ class LocalChatBackend:
         self.default_max_tokens = default_max_tokens
         # Where a turn goes when the local queue is full and the upstream serves the same model.
         self.overflow = overflow
+        # Cheap limits before expensive work (proxy/limits.py): per-client concurrency, the prompt
+        # bound, and a small pool of its own for tokenizing (the default executor stays free).
+        self.clients = ClientLimiter(max_concurrent_per_client)
+        self.truncate_on_overflow = truncate_on_overflow
+        self.tokenize_pool = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="attnstore-tokenize")
+        self._chars_per_token: dict[str, int] = {}
 
     def supports(self, chat: ChatRequest) -> str | None:
         if not self.runner.serves(chat.model):
@@ -79,12 +91,40 @@ class LocalChatBackend:
         self, request: web.Request, chat: ChatRequest, ctx: RequestContext
     ) -> web.StreamResponse:
         sampling = sampling_params(chat.body, self.default_max_tokens)
+        release = self.clients.acquire(client_id(request))
         try:
-            rendered = await asyncio.to_thread(
-                self.runner.render_turn, chat.model, chat.messages, sampling.max_tokens
+            return await self._handle(request, chat, ctx, sampling)
+        finally:
+            release()
+
+    async def _tokenize(self, chat: ChatRequest, reserve: int) -> RenderedPrompt:
+        """Prompt ids, on the tokenize pool; a prompt that certainly cannot fit is refused first."""
+        loop = asyncio.get_running_loop()
+        per_token = self._chars_per_token.get(chat.model)
+        if per_token is None:
+            tokenizer = self.runner.models[chat.model].tokenizers.get
+            per_token = await loop.run_in_executor(
+                self.tokenize_pool, lambda: max_chars_per_token(tokenizer())
+            )
+            self._chars_per_token[chat.model] = per_token
+        messages = precheck_prompt(
+            chat.model,
+            chat.messages,
+            limit=self.runner.context_limit(chat.model),
+            max_chars_per_token=per_token,
+            truncate=self.truncate_on_overflow,
+        )
+        try:
+            return await loop.run_in_executor(
+                self.tokenize_pool, self.runner.render_turn, chat.model, messages, reserve
             )
         except PromptError as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+
+    async def _handle(
+        self, request: web.Request, chat: ChatRequest, ctx: RequestContext, sampling: SamplingParams
+    ) -> web.StreamResponse:
+        rendered = await self._tokenize(chat, sampling.max_tokens)
         record = await self.index.get(ctx.tenant, ctx.session) if self.reuse else None
         gen = GenerationRequest(
             model=chat.model,
