@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 SETTINGS ?= settings.json
 
-.PHONY: run test test-fast install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench clean
+.PHONY: run test test-fast install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ bench-runner: install-bench
 
 bench: install-bench
 	$(BIN)/attnstore bench
+
+# A bounded soak with faults injected (issue 13): minutes, not part of `make test`. SOAK_ARGS, e.g.
+# "--sessions 3 --turns 2", shrinks it.
+soak: install-dev
+	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache
