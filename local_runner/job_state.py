@@ -215,10 +215,10 @@ class JobState:
 
     # -- end ------------------------------------------------------------------------------------------
 
-    def fail(self, exc: BaseException) -> None:
-        log.error("job failed: %s", exc, exc_info=exc)
+    def fail(self, exc: BaseException, *, status: int = 500, code: str | None = None) -> None:
+        log.error("job failed: %s", exc, exc_info=exc if status == 500 else None)
         self._end()
-        self.job.emit(Failed(f"local generation failed: {exc}"))
+        self.job.emit(Failed(f"local generation failed: {exc}", status=status, code=code))
 
     def finish(self, reason: str) -> None:
         self._end()

@@ -54,6 +54,8 @@ class Finished:
 @dataclass
 class Failed:
     message: str
+    status: int = 500  # what the proxy answers when nothing was sent yet
+    code: str | None = None  # OpenAI error code, when there is one
 
 
 Event = FirstToken | TextDelta | Finished | Failed

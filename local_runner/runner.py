@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier import KVStore, StoreStats
+from kvtier import KVStore, PrefixMatch, Schedule, StoreStats, available_memory_bytes
 
 from .job_kv import JobKV
 from .job_state import JobState
@@ -56,9 +56,18 @@ class Runner:
         truncate_on_overflow: bool = False,
         decouple: bool = False,
         batch: bool = True,
+        scheduler_aware: bool = True,
+        overlap_with_compute: bool = True,
+        evict_on_pressure: bool = True,
+        min_free_memory_bytes: int = 0,
     ):
         self.models = dict(models)
         self.stores = dict(stores or {})
+        self._lookahead = lookahead
+        self._scheduler_aware = scheduler_aware
+        self._evict_on_pressure = evict_on_pressure
+        self._min_free = min_free_memory_bytes  # 0: no memory-pressure check at admission
+        self._queued_matches: dict[int, PrefixMatch] = {}  # id(job) -> its stored prefix, while queued
         self._max_context = max_context_tokens
         self._truncate = truncate_on_overflow
         # decouple: a truncated turn moves the kept turns' stored KV to its new positions, for models whose
@@ -85,6 +94,10 @@ class Runner:
             job_bytes=self._job_bytes,
             packed=lambda state: self._packed[state.job.request.model],
             warmup=self._warmup,
+            on_queue_change=self._publish_schedule if scheduler_aware and self.stores else None,
+            admission_error=self._memory_refusal,
+            overlap=overlap_with_compute,
+            on_oom=self._free_device_memory,
         )
 
     @staticmethod
@@ -175,6 +188,15 @@ class Runner:
             for name, lm in self.models.items()
         }
 
+    def reusable_tokens(self, request: GenerationRequest) -> int:
+        """Prompt tokens of this request whose KV is stored now (a look, not counted as a hit or miss).
+        Blocking (the store's lock, perhaps a file header): call it off the event loop."""
+        store = self.stores.get(request.model)
+        if store is None or not request.reuse:
+            return 0
+        ids = request.prompt_ids[:-1]
+        return store.lookup(request.namespace, ids, hint_keys=request.hint_keys, count=False).tokens
+
     def forget_session(self, namespace: str, session: str) -> int:
         """Drop one tenant's session from every model's store; returns the chunks dropped. Blocking."""
         return sum(store.forget_session(namespace, session) for store in self.stores.values())
@@ -207,12 +229,73 @@ class Runner:
             shift_stats=self.shift_stats,
         )
 
-    def _prefetch(self, job: Job) -> None:
+    def _queued_match(self, job: Job) -> PrefixMatch | None:
+        """A queued job's stored prefix, looked up once (not counted: its own lookup, when it runs, is
+        the hit or miss)."""
         req = job.request
         store = self.stores.get(req.model)
         if store is None or not req.reuse:
-            return
-        # Not counted: the job's own lookup, when it runs, is the hit or miss.
-        match = store.lookup(req.namespace, req.prompt_ids[:-1], hint_keys=req.hint_keys, count=False)
-        if match.tokens:
-            store.prefetch(match)
+            return None
+        match = self._queued_matches.get(id(job))
+        if match is None:
+            match = store.lookup(req.namespace, req.prompt_ids[:-1], hint_keys=req.hint_keys, count=False)
+            self._queued_matches[id(job)] = match
+        return match
+
+    def _prefetch(self, job: Job) -> None:
+        match = self._queued_match(job)
+        if match is not None and match.tokens:
+            self.stores[job.request.model].prefetch(match)
+
+    def _publish_schedule(self, prefilling: list[JobState], pending: list[Job]) -> None:
+        """The queue as each model's store sees it: chunks of jobs still restoring or prefilling and of
+        the look-ahead window are protected; other queued jobs' chunks go from the back of the queue."""
+        waiting = {id(j) for j in pending}
+        self._queued_matches = {k: m for k, m in self._queued_matches.items() if k in waiting}
+        for name, store in self.stores.items():
+            running = [
+                [c.key for c in s.match.chunks]
+                for s in prefilling
+                if s.match is not None and s.job.request.model == name
+            ]
+            queue = []
+            for job in pending:
+                match = self._queued_match(job) if job.request.model == name else None
+                queue.append([c.key for c in match.chunks] if match is not None else [])
+            store.set_schedule(Schedule.from_queue(running, queue, self._lookahead))
+
+    def _memory_refusal(self, job: Job) -> str | None:
+        """Before a job's buffers are allocated: is the machine short of memory (below the configured
+        free memory, whatever the tier capacities say)? With evict_on_pressure the stores drop memory
+        copies of chunks that are safe on disk and the job runs; without, it is refused (503)."""
+        if not self._min_free:
+            return None
+        available = available_memory_bytes()
+        if available is None:
+            return None
+        short = self._min_free + self._job_bytes(job) - available
+        if short <= 0:
+            return None
+        mb = 1024 * 1024
+        if self._evict_on_pressure:
+            freed = sum(store.shed_memory(short) for store in self.stores.values())
+            log.warning(
+                "memory pressure: %d MB available, %d MB to keep free; dropped %d MB of stored KV from memory",
+                available // mb,
+                self._min_free // mb,
+                freed // mb,
+            )
+            return None
+        return (
+            f"the local runner is short of memory ({available // mb} MB available, "
+            f"{self._min_free // mb} MB kept free); retry later"
+        )
+
+    def _free_device_memory(self) -> bool:
+        """A CUDA out-of-memory in a step: with evict_on_pressure, demote L0 (the device tier) and let
+        the step run again; without, the job fails (503)."""
+        if not self._evict_on_pressure:
+            return False
+        freed = sum(store.shed_device_memory() for store in self.stores.values())
+        log.warning("device out of memory: moved %d MB of stored KV off the device", freed // (1024 * 1024))
+        return freed > 0

@@ -16,6 +16,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+import torch
+
 from kvtier import KVLoadError
 
 from .job_state import JobState
@@ -46,6 +48,10 @@ class Worker:
         job_bytes: Callable[[Job], int] = lambda job: 0,
         packed: Callable[[JobState], bool] = lambda s: True,
         warmup: Callable[[], None] | None = None,
+        on_queue_change: Callable[[list[JobState], list[Job]], None] | None = None,
+        admission_error: Callable[[Job], str | None] = lambda job: None,
+        overlap: bool = True,
+        on_oom: Callable[[], bool] = lambda: False,
     ):
         self._warmup = warmup
         self._start_job = start_job
@@ -57,6 +63,11 @@ class Worker:
         self._kv_budget = kv_budget_bytes  # 0: no limit beyond max_running
         self._job_bytes = job_bytes
         self._packed = packed
+        self._on_queue_change = on_queue_change
+        self._admission_error = admission_error
+        self._overlap = overlap  # a job may compute while its layers still load (when it runs alone)
+        self._on_oom = on_oom  # device out of memory: True when memory was freed (the step runs again)
+        self._queue_seen: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self._pending: deque[Job] = deque()
         self._in_flight: list[Job] = []  # submitted, not ended nor cancelled (see submit)
         self._running: list[JobState] = []
@@ -122,6 +133,7 @@ class Worker:
             for job in admitted:
                 self._prefetched.discard(id(job))
                 self._admit(job)
+            self._publish_queue()
             for job in upcoming:
                 self._prefetched.add(id(job))
                 self._safe_prefetch(job)
@@ -148,6 +160,10 @@ class Worker:
             job.emit(Finished("cancelled", len(job.request.prompt_ids), 0, 0))
             self.cancelled += 1
             return
+        refusal = self._admission_error(job)
+        if refusal is not None:
+            job.emit(Failed(refusal, status=503, code="memory_pressure"))
+            return
         try:
             state = self._start_job(job)
             state.begin()
@@ -171,6 +187,9 @@ class Worker:
             s.settle_restore()
         ready = [s for s in live if not s.restoring]
         if not ready and live:
+            if not self._overlap:
+                live[0].wait_restore(0.05)  # nothing else to run: wait for its restore, not for long
+                return []
             ready = live[:1]  # nothing else to run: this one computes while its layers load
         plan: list[tuple[JobState, Work]] = []
         decoding = [s for s in ready if not s.prefilling]
@@ -204,6 +223,15 @@ class Worker:
     def _run_packed(self, items: list[tuple[JobState, Work]]) -> None:
         try:
             self._forward(items, run_packed)
+        except torch.OutOfMemoryError:
+            freed = self._on_oom()
+            for item in items:
+                if freed:
+                    self._run_isolated([item], run_packed)
+                else:
+                    item[0].fail(
+                        MemoryError("the device is out of memory"), status=503, code="memory_pressure"
+                    )
         except KVLoadError:
             # A job running alone on a restore that failed mid-way: it recomputes; the step is redone.
             for state, _ in items:
@@ -223,7 +251,9 @@ class Worker:
             self._forward(items, run)
         except KVLoadError as exc:
             state.recompute(exc)
-        except Exception as exc:  # a bug or an OOM ends this job only, never the worker
+        except torch.OutOfMemoryError:
+            state.fail(MemoryError("the device is out of memory"), status=503, code="memory_pressure")
+        except Exception as exc:  # a bug ends this job only, never the worker
             state.fail(exc)
 
     def _forward(self, items: list[tuple[JobState, Work]], run) -> None:
@@ -234,6 +264,22 @@ class Worker:
             state.advance(work.tokens, row)
 
     # -- helpers --------------------------------------------------------------------------------------
+
+    def _publish_queue(self) -> None:
+        """Tell the stores what the queue looks like whenever it changed (scheduler-aware eviction)."""
+        if self._on_queue_change is None:
+            return
+        with self._cond:
+            pending = list(self._pending)
+        prefilling = [s for s in self._running if not s.finished and s.prefilling]
+        seen = (tuple(id(j) for j in pending), tuple(id(s) for s in prefilling))
+        if seen == self._queue_seen:
+            return
+        self._queue_seen = seen
+        try:
+            self._on_queue_change(prefilling, pending)
+        except Exception:  # a hint only, like prefetch
+            log.warning("publishing the queue to the store failed", exc_info=True)
 
     def _safe_prefetch(self, job: Job) -> None:
         try:

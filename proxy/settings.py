@@ -105,6 +105,13 @@ class LocalRunnerSettings(_Strict):
     # KV memory the running jobs' buffers may take (prompt + max_tokens each); a job that would go
     # past it waits in the queue. 0: bounded by max_running only.
     max_running_kv_mb: NonNegativeInt = 0
+    # Memory the machine must keep available (MemAvailable) when a job starts, whatever the tier
+    # capacities say; below it, scheduler_aware.evict_on_pressure decides: drop stored KV from memory
+    # (it stays on disk) and run, or refuse the job with a 503. 0: no check.
+    min_free_memory_mb: NonNegativeInt = 512
+    # When the local queue is full: a turn whose KV is stored (a hit) waits this long for room; a miss
+    # goes upstream at once (when the upstream serves the model) or gets a 503. 0: hits do not wait.
+    hit_queue_wait_s: Annotated[float, Meta(ge=0)] = 30.0
     max_tokens_default: PositiveInt = 512
     kv_chunk_tokens: PositiveInt = 256
     # Where converted weights are cached (the GGUF de-quantization runs once).

@@ -186,3 +186,38 @@ def test_healthz_names_each_local_models_device_dtype_and_batching(local_proxy):
     server = local_proxy(local_runner={"max_batch_tokens": 64, "max_running_kv_mb": 64})
     doc = orjson.loads(urllib3.request("GET", server.url + "/healthz").data)
     assert doc["local"][MODEL] == {"device": "cpu", "dtype": "float32", "batched": True}
+
+
+async def test_queue_full_a_miss_goes_upstream_and_a_hit_waits_for_a_local_slot(local_proxy, fake_upstream):
+    server = local_proxy(local_runner={"max_queue": 1, "max_running": 1}, llm_endpoint={"model": MODEL})
+    url = server.url + "/v1/chat/completions"
+    first = [{"role": "user", "content": "Name a color."}]
+    long = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Count to five hundred."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    async with aiohttp.ClientSession() as http:
+        turn1 = await http.post(
+            url, json={"model": MODEL, "messages": first, "max_tokens": 4, "temperature": 0}
+        )
+        answer = (await turn1.json())["choices"][0]["message"]["content"]
+        second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Another?"}]
+        running = await http.post(url, json=long)
+        waiting = asyncio.ensure_future(http.post(url, json={**long, "max_tokens": 2, "stream": False}))
+        await async_wait_until(lambda: runner_is(http, server.url, queued=1), "the queue full", 30)
+        hit = asyncio.ensure_future(
+            http.post(url, json={"model": MODEL, "messages": second, "max_tokens": 2, "temperature": 0})
+        )
+        # A new conversation far longer than the system prompt it shares: mostly to compute, a miss.
+        topic = "Tell me about rivers, mountains, deserts and oceans of every continent. " * 8
+        miss = await http.post(url, json={**long, "messages": [{"role": "user", "content": topic}]})
+        assert miss.headers["X-AttentionStore-Route"] == "upstream" and len(fake_upstream.requests) == 1
+        assert not hit.done()  # the hit waits for room instead of leaving
+        running.close()
+        served = await hit
+        assert served.status == 200 and served.headers["X-AttentionStore-Route"] == "local"
+        assert served.headers["X-AttentionStore-Cache"] != "miss"
+        await waiting

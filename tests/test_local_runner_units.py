@@ -11,7 +11,7 @@ import torch
 from local_runner.job_kv import JobKV
 from local_runner.loader import ThreadTokenizers, resolve_dtype
 from local_runner.packed_attention import can_pack
-from local_runner.prompt import render_prompt, truncate_history
+from local_runner.prompt import fit_history, render_prompt
 from local_runner.step import Work, run_packed, run_per_job
 from local_runner.text_stream import TextStream
 from tests.tiny_model import tiny_llama, tiny_loaded, tiny_tokenizer
@@ -115,7 +115,7 @@ def test_text_stream_without_stops_sends_everything():
     assert text + stream.finish() == "Hi there!"
 
 
-def test_truncate_history_keeps_system_and_last_message():
+def test_fit_history_drops_oldest_turns_but_keeps_system_and_last_message():
     tok = tiny_tokenizer()
     messages = [{"role": "system", "content": "sys"}]
     for i in range(5):
@@ -125,10 +125,10 @@ def test_truncate_history_keeps_system_and_last_message():
         ]
     messages.append({"role": "user", "content": "last"})
     full = len(render_prompt(tok, messages))
-    kept = truncate_history(tok, messages, full - 20)
-    assert kept[0]["content"] == "sys" and kept[-1]["content"] == "last"
-    assert len(render_prompt(tok, kept)) <= full - 20
-    assert kept[1]["role"] == "user" and "question 0" not in [m["content"] for m in kept]
+    ids, dropped = fit_history(tok, messages, full - 20, reserve=1)
+    text = tok.decode(ids)
+    assert dropped > 0 and len(ids) + 1 <= full - 20
+    assert text.startswith("<system>sys") and "last" in text and "question 0" not in text
 
 
 def test_dtype_auto_follows_the_cpu():
@@ -152,7 +152,7 @@ def test_only_llama_style_models_take_the_packed_step():
 
 def test_each_thread_gets_its_own_tokenizer():
     tokenizers = ThreadTokenizers(tiny_tokenizer())
-    seen: dict[str, int] = {}
+    seen: dict[str, object] = {}  # the tokenizers themselves: alive, so their ids cannot be reused
     errors: list[BaseException] = []
     start = threading.Barrier(8)
 
@@ -161,7 +161,7 @@ def test_each_thread_gets_its_own_tokenizer():
             start.wait()
             tok = tokenizers.get()
             assert tokenizers.get() is tok
-            seen[name] = id(tok)
+            seen[name] = tok
             for _ in range(200):
                 assert tok.decode(tok.encode("abc def", add_special_tokens=False)) == "abc def"
         except BaseException as e:  # collected: an assertion in a thread must fail the test
@@ -173,4 +173,4 @@ def test_each_thread_gets_its_own_tokenizer():
     for t in threads:
         t.join()
     assert not errors
-    assert len(set(seen.values())) == 8
+    assert len({id(t) for t in seen.values()}) == 8

@@ -109,3 +109,18 @@ def test_serve_starts_and_answers_healthz(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode in (0, -signal.SIGTERM)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [("l0_gpu", "eviction", "lfu"), ("l1_host", "eviction", "fifo"), ("l2_disk", "format", "npz")],
+)
+def test_a_tier_policy_or_format_not_implemented_is_refused_at_start(tmp_path, section, key, value):
+    bad = tmp_path / "bad.json"
+    raw = settings_dict(tmp_path)
+    raw["attention_store"]["tiering"][section] = {key: value}
+    bad.write_bytes(orjson.dumps(raw))
+    r = run_cli("serve", "--settings", str(bad), cwd=tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1
+    assert f"attention_store.tiering.{section}.{key}" in lines[0] and value in lines[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeGuard
@@ -66,6 +67,7 @@ class LocalChatBackend:
         max_concurrent_per_client: int = 0,
         tokenize_threads: int = 2,
         truncate_on_overflow: bool = False,
+        hit_queue_wait_s: float = 0.0,
     ):
         self.runner = runner
         self.index = index
@@ -79,6 +81,7 @@ class LocalChatBackend:
         # bound, and a small pool of its own for tokenizing (the default executor stays free).
         self.clients = ClientLimiter(max_concurrent_per_client)
         self.truncate_on_overflow = truncate_on_overflow
+        self.hit_queue_wait_s = hit_queue_wait_s
         self.tokenize_pool = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="attnstore-tokenize")
         self._chars_per_token: dict[str, int] = {}
 
@@ -138,7 +141,7 @@ class LocalChatBackend:
             reuse=self.reuse,
         )
         try:
-            job = self.runner.submit(gen)
+            job = await self._submit(gen)
         except QueueFull as exc:
             if self.overflow is not None:
                 return await self.overflow(request, chat, ctx)
@@ -148,6 +151,28 @@ class LocalChatBackend:
         finally:
             if not job.done:
                 job.cancel()
+
+    async def _submit(self, gen: GenerationRequest) -> Job:
+        """Queue the job. When the local queue is full, a turn that would be a miss gives up at once
+        (QueueFull: it goes upstream when the upstream serves this model, else 503), while a hit waits
+        up to `hit_queue_wait_s` for room: its KV is here, where it is cheap to serve. A hit reuses at
+        least half its prompt (a shared system prompt alone does not make a turn cheap)."""
+        try:
+            return self.runner.submit(gen)
+        except QueueFull:
+            if self.hit_queue_wait_s <= 0:
+                raise
+            reusable = await asyncio.to_thread(self.runner.reusable_tokens, gen)
+            if reusable * 2 < len(gen.prompt_ids):
+                raise
+        deadline = time.monotonic() + self.hit_queue_wait_s
+        while True:
+            await asyncio.sleep(0.05)
+            try:
+                return self.runner.submit(gen)
+            except QueueFull:
+                if time.monotonic() >= deadline:
+                    raise
 
     async def _respond(
         self, request: web.Request, chat: ChatRequest, ctx: RequestContext, job: Job

@@ -1,0 +1,106 @@
+"""The runner's queue drives the tiers (tiny random Llama, a real store on disk): window jobs' KV is
+fetched before they run, memory pressure sheds stored KV or refuses, and a restore can be awaited."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from kvtier import KVStore, StoreConfig
+from local_runner.jobs import Failed, Finished
+from local_runner.runner import Runner
+from tests.support.waiting import async_wait_until
+from tests.test_local_runner_batching import drain, greedy_alone, ids_of, submit
+from tests.tiny_model import tiny_llama, tiny_loaded
+
+MB = 1 << 20
+
+
+def open_store(lm, path, l0=MB, l1=MB, chunk=16) -> KVStore:
+    config = StoreConfig(l0, l1, 64 * MB, path, chunk_tokens=chunk, device=torch.device("cpu"))
+    return KVStore(config, lm.layout, lm.fingerprint)
+
+
+async def store_turn(lm, path, ids, n) -> None:
+    """Turn 1 alone, saved to L2; the store is closed, so only the disk holds it afterwards."""
+    store = open_store(lm, path)
+    runner = Runner({"tiny": lm}, {"tiny": store})
+    try:
+        done = await drain(submit(runner, "tiny", ids, n))
+        assert isinstance(done.end, Finished)
+    finally:
+        runner.close()
+
+
+async def test_a_window_jobs_kv_is_fetched_from_disk_while_another_job_runs(tmp_path):
+    lm = tiny_loaded(model=tiny_llama(seed=11))
+    first = ids_of(lm, "a first question about tiers and disks")
+    await store_turn(lm, tmp_path, first, 12)
+    answer = greedy_alone(lm, first, 12)
+    second = first + answer + ids_of(lm, " more?")
+    store = open_store(lm, tmp_path)  # a restart: the conversation is in L2 only
+    runner = Runner({"tiny": lm}, {"tiny": store}, max_running=1, lookahead=1)
+    try:
+        long_job = submit(runner, "tiny", ids_of(lm, "keep talking"), 300)
+        events = long_job.events()
+        await anext(events)  # running: the next job waits in the queue, inside the window
+        waiting = submit(runner, "tiny", second, 8)
+
+        async def prefetch_issued() -> bool:
+            return store.stats().prefetch_issued > 0
+
+        await async_wait_until(prefetch_issued, "the window job's prefetch", timeout=30)
+        assert await asyncio.to_thread(store.wait_prefetched, 30)
+        long_job.cancel()
+        [e async for e in events]
+        turn2 = await drain(waiting)
+        stats = store.stats()
+    finally:
+        runner.close()
+    assert turn2.first is not None and turn2.first.reused_tokens > 0
+    assert turn2.first.tiers["l2"] == 0  # nothing was read from disk on the critical path
+    assert stats.prefetch_completed > 0 and stats.prefetch_used == stats.prefetch_completed
+    assert turn2.text == lm.tokenizer.decode(greedy_alone(lm, second, 8), skip_special_tokens=True)
+
+
+async def test_memory_pressure_sheds_stored_kv_or_refuses(tmp_path):
+    lm = tiny_loaded(model=tiny_llama(seed=12))
+    ids = ids_of(lm, "pressure test prompt")
+    for evict in (True, False):
+        store = open_store(lm, tmp_path / str(evict))
+        calm = Runner({"tiny": lm}, {"tiny": store})
+        await drain(submit(calm, "tiny", ids, 8))  # stored in L0 and on disk
+        calm._worker.close()
+        store.flush()
+        before = store.stats()
+        # An impossible amount of memory to keep free: the machine is "short" for every job.
+        runner = Runner({"tiny": lm}, {"tiny": store}, evict_on_pressure=evict, min_free_memory_bytes=1 << 50)
+        try:
+            out = await drain(submit(runner, "tiny", ids_of(lm, "another prompt"), 4))
+            after = store.stats()
+            where = store.lookup("anonymous", ids, count=False).tier  # the first prompt's KV
+        finally:
+            runner.close()
+        if evict:
+            assert isinstance(out.end, Finished)
+            assert after.evictions > before.evictions and where == "l2"  # dropped from memory, kept on disk
+        else:
+            assert isinstance(out.end, Failed) and out.end.status == 503 and out.end.code == "memory_pressure"
+            assert after.evictions == before.evictions and where == "l0"
+
+
+async def test_without_overlap_a_job_waits_for_its_restore_and_answers_the_same(tmp_path):
+    lm = tiny_loaded(model=tiny_llama(seed=13))
+    first = ids_of(lm, "overlap or not")
+    await store_turn(lm, tmp_path, first, 10)
+    second = first + greedy_alone(lm, first, 10) + ids_of(lm, " and?")
+    for overlap in (True, False):
+        store = open_store(lm, tmp_path)
+        runner = Runner({"tiny": lm}, {"tiny": store}, overlap_with_compute=overlap)
+        try:
+            out = await drain(submit(runner, "tiny", second, 8))
+        finally:
+            runner.close()
+        assert out.first is not None and out.first.tiers["l2"] > 0
+        assert out.text == lm.tokenizer.decode(greedy_alone(lm, second, 8), skip_special_tokens=True)
