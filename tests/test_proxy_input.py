@@ -83,7 +83,9 @@ class FakeLocal:
         self.seen.append((chat.model, ctx))
         if chat.body.get("boom"):
             raise RuntimeError("local backend exploded")
-        headers = store_headers(cache="miss", route="local", reused=0, session=ctx.session, ttft_ms=1.0)
+        headers = store_headers(
+            cache="miss", route="local", reused=0, session=ctx.session, ttft_ms=1.0, replica="r"
+        )
         return web.json_response({"ok": True}, headers=headers)
 
 
