@@ -190,14 +190,19 @@ def _start_write(
 
 
 def _finish_writes(
-    started: list[tuple[int, PendingWrite]], results: list[ChunkMeta | OSError | None]
+    started: list[tuple[int, PendingWrite]],
+    results: list[ChunkMeta | OSError | None],
+    drop_cache: bool = False,
 ) -> set[Path]:
-    """fsync, close and rename each started write (popping it); returns the folders to fsync."""
+    """fsync, close and rename each started write (popping it); returns the folders to fsync.
+    `drop_cache`: once durable, drop the file's pages from the OS page cache (a later read is a disk read)."""
     folders: set[Path] = set()
     while started:
         j, w = started[0]
         try:
             os.fsync(w.fd)
+            if drop_cache and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(w.fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(w.fd)
             w.fd = -1
             os.replace(w.tmp, w.path)
@@ -212,7 +217,11 @@ def _finish_writes(
 
 
 def write_chunks(
-    root: Path, items: list[tuple[ChunkId, ChunkKV]], model_fingerprint: str, layout: KVLayout
+    root: Path,
+    items: list[tuple[ChunkId, ChunkKV]],
+    model_fingerprint: str,
+    layout: KVLayout,
+    drop_cache: bool = False,
 ) -> list[ChunkMeta | OSError]:
     """Write several chunks atomically: each to a temp file in its folder, then fsync each, rename each,
     and fsync each folder touched once. Every file is durable under its final name before this returns.
@@ -229,7 +238,7 @@ def write_chunks(
                 started.append((j, _start_write(root, chunk, data, model_fingerprint, layout)))
             except OSError as e:
                 results[j] = e
-        folders = _finish_writes(started, results)
+        folders = _finish_writes(started, results, drop_cache)
     except BaseException:
         for _, w in started:
             _abort(w.fd, w.tmp)
@@ -245,10 +254,15 @@ def write_chunks(
 
 
 def write_chunk(
-    root: Path, chunk: ChunkId, data: ChunkKV, model_fingerprint: str, layout: KVLayout
+    root: Path,
+    chunk: ChunkId,
+    data: ChunkKV,
+    model_fingerprint: str,
+    layout: KVLayout,
+    drop_cache: bool = False,
 ) -> ChunkMeta:
     """Write one chunk atomically (temp file in the same folder, fsync, rename, fsync folder)."""
-    (result,) = write_chunks(root, [(chunk, data)], model_fingerprint, layout)
+    (result,) = write_chunks(root, [(chunk, data)], model_fingerprint, layout, drop_cache)
     if isinstance(result, OSError):
         raise result
     return result

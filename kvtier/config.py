@@ -30,6 +30,9 @@ class StoreConfig:
     # for the session's next turn; "throughput" keeps L0 for running and queued jobs (prefetch), and new
     # or restored KV goes to L1 (and L2).
     placement_hint: str = "ttft_priority"
+    # Drop each L2 file from the OS page cache once it is durable, so reading it back is a disk read
+    # (benchmarks of the disk tier; or to leave the page cache to other uses).
+    drop_page_cache: bool = False
 
     def __post_init__(self) -> None:
         self.l2_path = Path(self.l2_path)

@@ -73,7 +73,10 @@ class Saving:
                 item = self._to_write(entry)
             if item is not None:
                 try:
-                    written = write_chunk(self._s.root, *item, self._s.model_fingerprint, self._s.layout)
+                    s = self._s
+                    written = write_chunk(
+                        s.root, *item, s.model_fingerprint, s.layout, s.config.drop_page_cache
+                    )
                 except OSError as e:
                     self._failed(e)
         finally:
@@ -88,7 +91,8 @@ class Saving:
                 todo = [(j, item) for j, e in enumerate(entries) if (item := self._to_write(e)) is not None]
             if todo:
                 s = self._s
-                written = write_chunks(s.root, [item for _, item in todo], s.model_fingerprint, s.layout)
+                items = [item for _, item in todo]
+                written = write_chunks(s.root, items, s.model_fingerprint, s.layout, s.config.drop_page_cache)
                 for (j, _), w in zip(todo, written, strict=True):
                     if isinstance(w, OSError):
                         self._failed(w)

@@ -112,6 +112,9 @@ class LocalRunnerSettings(_Strict):
     # When the local queue is full: a turn whose KV is stored (a hit) waits this long for room; a miss
     # goes upstream at once (when the upstream serves the model) or gets a 503. 0: hits do not wait.
     hit_queue_wait_s: Annotated[float, Meta(ge=0)] = 30.0
+    # Drop each L2 file from the OS page cache once written, so an L2 hit reads the disk (benchmarks of
+    # the disk tier, or to leave the page cache to other processes).
+    l2_drop_page_cache: bool = False
     max_tokens_default: PositiveInt = 512
     kv_chunk_tokens: PositiveInt = 256
     # Where converted weights are cached (the GGUF de-quantization runs once).

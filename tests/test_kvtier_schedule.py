@@ -3,6 +3,8 @@ placement hint decides where new KV stays, and the prefetch counters say what th
 
 from __future__ import annotations
 
+import torch
+
 from kvtier import KVStore, Schedule
 from kvtier.schedule import eviction_order
 from tests.test_kvtier import CB, CHUNK, kv, make, toks
@@ -91,3 +93,35 @@ def test_throughput_placement_keeps_l0_for_queued_jobs(tmp_path):
         assert store.wait_prefetched(10)
         assert tier_of(store, 0) == "l0"  # a queued job's chunks go to L0 in both modes
         store.close()
+
+
+def _resident_pages(path) -> int | None:
+    """Pages of the file in the OS page cache (util-linux fincore), None where it cannot say."""
+    import shutil
+    import subprocess
+
+    if shutil.which("fincore") is None:
+        return None
+    out = subprocess.run(["fincore", "-nb", "-o", "PAGES", str(path)], capture_output=True, text=True)
+    return int(out.stdout.split()[0]) if out.returncode == 0 and out.stdout.strip() else None
+
+
+def test_drop_page_cache_leaves_written_files_out_of_the_page_cache(tmp_path):
+    import pytest
+
+    layers = kv(4 * CHUNK, seed=9)
+    resident = {}
+    for drop in (False, True):
+        store = make(tmp_path / str(drop), l0=0, l1=0, l2=8 * CB, drop_page_cache=drop)
+        store.put("t", toks(4 * CHUNK), layers)
+        store.flush()
+        paths = sorted((tmp_path / str(drop) / "l2").rglob("*.safetensors"))
+        pages = [_resident_pages(p) for p in paths]
+        if any(p is None for p in pages):
+            pytest.skip("fincore (util-linux) is not available to read the page cache")
+        resident[drop] = sum(p or 0 for p in pages)
+        match = store.lookup("t", toks(4 * CHUNK))
+        restored = store.load(match)
+        assert torch.equal(restored.layer(0)[0], layers[0][0][:, :, : match.tokens])  # read back from disk
+        store.close()
+    assert resident[False] > 0 and resident[True] == 0

@@ -57,6 +57,7 @@ def open_stores(
                 device=lm.device,
                 async_save=store_settings.preload.async_save,
                 placement_hint=store_settings.scheduler_aware.placement_hint,
+                drop_page_cache=settings.local_runner.l2_drop_page_cache,
             ),
             lm.layout,
             lm.fingerprint,
