@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import platform
 import sys
@@ -33,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from .multiturn_client import ChatError, ChatResult, stream_chat
-from .multiturn_report import TurnRecord, from_l2, plot, report_dict, table, write_json
+from .multiturn_report import TurnRecord, from_l2, plot, report_dict, scheduler_table, table, write_json
 from .sharegpt import Conversation, cap_conversation, load_conversations, select
 
 DEFAULT_OUT = Path("bench/results")
@@ -58,6 +59,9 @@ class BenchOptions:
     settings: str | None = None
     l2_path: str | None = None
     threads: int | None = None
+    max_running: int = 0  # 0: as many as --concurrency (nobody queues)
+    compare_lru: bool = False  # also replay against a proxy with scheduler_aware off (plain LRU)
+    cold_l2: bool = False  # drop L2 files from the page cache: an L2 read is a disk read
     data: str | None = None
     out_dir: str = str(DEFAULT_OUT)
     name: str | None = None
@@ -90,6 +94,22 @@ def _load_settings(options: BenchOptions):
     if options.settings or os.environ.get("ATTNSTORE_SETTINGS") or Path("settings.json").is_file():
         return load_settings(options.settings)[0]
     return parse_settings(b"{}", Path.cwd(), env={})
+
+
+async def _all_stats(targets: Sequence[_Target]) -> dict[str, Any]:
+    """Each target's store stats at the end of the run (prefetch counters, tiers), by mode."""
+    out: dict[str, Any] = {}
+    async with aiohttp.ClientSession() as http:
+        for t in targets:
+            try:
+                async with http.get(
+                    t.base + "/v1/attention_store/stats", timeout=aiohttp.ClientTimeout(total=10)
+                ) as r:
+                    if r.status == 200:
+                        out[t.mode] = await r.json()
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                continue
+    return out
 
 
 async def _l2_chunks(http: aiohttp.ClientSession, base: str) -> int | None:
@@ -173,6 +193,7 @@ class _Replay:
             completion_tokens=completion,
             reuse_ratio=(reused / s.prev_context) if s.turn > 0 and s.prev_context else None,
             l2_chunks=(after - before) if after is not None and before is not None else None,
+            tiers=res.tiers,
         )
         return rec, ids, res.text
 
@@ -275,7 +296,15 @@ def run_bench(options: BenchOptions, models: Mapping[str, Any] | None = None) ->
             if options.l2_path
             else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="attnstore-bench-")))
         )
-        spec = TargetSpec(True, l2_dir, options.concurrency, options.tiers, options.threads)
+        spec = TargetSpec(
+            True,
+            l2_dir,
+            options.concurrency,
+            options.tiers,
+            options.threads,
+            max_running=options.max_running,
+            cold_l2=options.cold_l2,
+        )
         reuse_settings = derive_settings(base, spec, base_dir)
         if models is None:
             models = load_models(reuse_settings, base_dir)
@@ -293,6 +322,9 @@ def run_bench(options: BenchOptions, models: Mapping[str, Any] | None = None) ->
             targets.append(_Target("target", root + "/v1/chat/completions", root))
         else:
             specs = [("reuse", reuse_settings)]
+            if options.compare_lru:
+                lru = dataclasses.replace(spec, l2_path=l2_dir / "lru", scheduler_aware=False)
+                specs.append(("reuse-lru", derive_settings(base, lru, base_dir)))
             if options.baseline:
                 no_reuse = TargetSpec(
                     False, l2_dir / "unused", options.concurrency, options.tiers, options.threads
@@ -309,7 +341,9 @@ def run_bench(options: BenchOptions, models: Mapping[str, Any] | None = None) ->
             total=total, desc="turns", unit="turn", file=sys.stderr, disable=not options.progress
         ) as bar:
             asyncio.run(replay.run(convs, bar))
+        store_stats = asyncio.run(_all_stats(targets))
     meta = _meta(options, lm, convs, replay, time.perf_counter() - started)
+    meta["store_stats"] = store_stats
     report = report_dict(meta, replay.records)
     out = Path(options.out_dir)
     stem = options.name or f"multiturn-c{options.concurrency}-{options.tiers}-s{options.seed}"
@@ -384,6 +418,18 @@ def parser() -> argparse.ArgumentParser:
     )
     a("--concurrency", type=int, default=d.concurrency, help="sessions at once, interleaved turn by turn")
     a(
+        "--max-running",
+        type=int,
+        default=d.max_running,
+        help="local jobs at once (default: --concurrency); fewer makes a queue the scheduler sees",
+    )
+    a(
+        "--compare-lru",
+        action="store_true",
+        help="also replay against a proxy with scheduler_aware off (plain LRU), interleaved",
+    )
+    a("--cold-l2", action="store_true", help="drop L2 files from the page cache: L2 reads hit the disk")
+    a(
         "--tiers",
         choices=("default", "small", "disk"),
         default=d.tiers,
@@ -421,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attnstore bench: {exc}", file=sys.stderr)
         return 1
     print(table(report["summary"]))
+    if options.compare_lru:
+        print("\n" + scheduler_table(report))
     print(
         f"\nJSON: {report['paths']['json']}"
         + (f"  plot: {report['paths']['png']}" if report["paths"]["png"] else "")

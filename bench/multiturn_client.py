@@ -33,6 +33,17 @@ class ChatResult:
     prompt_tokens: int | None  # usage, when the final chunk carries it
     cached_tokens: int | None
     completion_tokens: int | None
+    tiers: dict[str, int] | None = None  # X-AttentionStore-Tiers: reused tokens per tier
+
+
+def _tiers(value: str | None) -> dict[str, int] | None:
+    """`l0=512,l1=0,l2=256` -> {"l0": 512, "l1": 0, "l2": 256}; None when absent or malformed."""
+    if not value:
+        return None
+    try:
+        return {k: int(v) for k, v in (part.split("=", 1) for part in value.split(","))}
+    except ValueError:
+        return None
 
 
 def _int(value: str | None) -> int | None:
@@ -105,4 +116,5 @@ async def stream_chat(
         prompt_tokens=usage.get("prompt_tokens"),
         cached_tokens=details.get("cached_tokens"),
         completion_tokens=usage.get("completion_tokens"),
+        tiers=_tiers(h.get("X-AttentionStore-Tiers")),
     )

@@ -49,6 +49,7 @@ class TurnRecord:
     ideal_ms: float | None = None  # prefill of the new tokens on an in-memory cache, same model
     raw_read_ms: float | None = None  # plain read of the KV bytes that came from L2
     l2_chunks: int | None = None  # chunks found in L2 during this turn (store stats; rounds of one)
+    tiers: dict[str, int] | None = None  # reused tokens per tier (X-AttentionStore-Tiers)
 
 
 def bucket_of(tokens: int) -> str:
@@ -289,3 +290,28 @@ def plot(path: Path, records: Sequence[TurnRecord], title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
+
+
+def scheduler_table(report: dict[str, Any]) -> str:
+    """Scheduler-aware tiering against plain LRU (modes "reuse" and "reuse-lru"): where reused tokens
+    came from at admission, TTFT, and what the look-ahead prefetch was worth."""
+    rows = [
+        "| mode | reused from L0 / L1 / L2 | L2 tokens on the critical path | TTFT p50 / p90 ms (server) | prefetch used / wasted |",
+        "|---|---|---|---|---|",
+    ]
+    stats = report.get("meta", {}).get("store_stats", {})
+    for mode in ("reuse", "reuse-lru"):
+        recs = [r for r in report.get("turns", []) if r["mode"] == mode and r["turn"] > 0]
+        if not recs:
+            continue
+        tiers = {t: sum((r.get("tiers") or {}).get(t, 0) for r in recs) for t in ("l0", "l1", "l2")}
+        total = sum(tiers.values()) or 1
+        ttft = sorted(r["ttft_header_ms"] for r in recs if r.get("ttft_header_ms") is not None)
+        p50 = ttft[len(ttft) // 2] if ttft else float("nan")
+        p90 = ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else float("nan")
+        st = stats.get(mode, {})
+        rows.append(
+            f"| {mode} | {tiers['l0'] / total:.0%} / {tiers['l1'] / total:.0%} / {tiers['l2'] / total:.0%} | "
+            f"{tiers['l2']} | {p50:.0f} / {p90:.0f} | {st.get('prefetch_used', 0)} / {st.get('prefetch_wasted', 0)} |"
+        )
+    return "\n".join(rows)

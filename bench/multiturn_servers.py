@@ -44,6 +44,9 @@ class TargetSpec:
     concurrency: int
     tiers: str = "default"  # "default" | "small" | "disk"
     threads: int | None = None
+    max_running: int = 0  # 0: concurrency
+    scheduler_aware: bool = True
+    cold_l2: bool = False
 
 
 def derive_settings(base: Settings, spec: TargetSpec, base_dir: Path) -> Settings:
@@ -56,7 +59,9 @@ def derive_settings(base: Settings, spec: TargetSpec, base_dir: Path) -> Setting
         store["tiering"]["l1_host"]["capacity_mb"] = TIERS_MB[spec.tiers]["l1"]
     lr = raw["local_runner"]
     lr["enabled"] = True
-    lr["max_running"] = max(lr["max_running"], spec.concurrency)
+    lr["max_running"] = spec.max_running or max(lr["max_running"], spec.concurrency)
+    lr["l2_drop_page_cache"] = spec.cold_l2
+    store["scheduler_aware"]["enabled"] = spec.scheduler_aware
     lr["max_queue"] = max(lr["max_queue"], 2 * spec.concurrency)
     if spec.threads is not None:
         lr["threads"] = spec.threads
