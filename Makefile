@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 SETTINGS ?= settings.json
 
-.PHONY: run test test-fast install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench soak clean
+.PHONY: run test test-fast install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench-batch bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,9 @@ bench-tiers: install-bench
 
 bench-runner: install-bench
 	$(BIN)/python -m bench.runner_speed
+
+bench-batch: install-bench
+	$(BIN)/python -m bench.runner_batch --per-job
 
 bench: install-bench
 	$(BIN)/attnstore bench
