@@ -8,6 +8,7 @@ the store says when its own bookkeeping is over (`settle`); the runner reads it 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,7 @@ class RestoredKV:
         self._k: list[torch.Tensor | None] = [None] * n
         self._v: list[torch.Tensor | None] = [None] * n
         self._ready = [threading.Event() for _ in range(n)]
+        self._events: list[torch.cuda.Event | None] = [None] * n
         self._error: KVLoadError | None = None
         self._settled = threading.Event()  # set once the store's bookkeeping (promotion, unpinning) is done
         # Outputs are allocated here, in the caller's thread: memory from a worker thread's malloc arena is
@@ -81,8 +83,11 @@ class RestoredKV:
         """The loader's side: layer i's output buffers to fill, [1, heads, capacity, head_dim] (no wait)."""
         return self._out[i]
 
-    def mark_loaded(self, i: int) -> None:
-        """The loader's side: layer i's first num_tokens are filled and verified; readers may take them."""
+    def mark_loaded(self, i: int, copied: torch.cuda.Event | None = None) -> None:
+        """The loader's side: layer i's first num_tokens are filled and verified; readers may take them.
+        `copied`: on CUDA, the event recorded on the loader's copy stream after layer i's copies; a reader
+        makes its own stream wait on it (the GPU waits, not the thread)."""
+        self._events[i] = copied
         self._k[i], self._v[i] = self._out[i]
         self._ready[i].set()
 
@@ -111,6 +116,9 @@ class RestoredKV:
         if k is None or v is None:
             assert self._error is not None
             raise self._error
+        event = self._events[i]
+        if event is not None:
+            torch.cuda.current_stream(k.device).wait_event(event)
         return k, v
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -156,39 +164,62 @@ def run_load(plan: list[PlanItem], restored: RestoredKV, layout: KVLayout) -> di
                     from_disk[item.key] = item.buf
         srcs = [(item.mem or item.buf) for item in plan]
         src_bytes = [c.host_bytes() if c is not None else None for c in srcs]
-        for i in range(layout.num_layers):
-            out_k, out_v = restored.target(i)
-            ok, ov = host_bytes(out_k[0]), host_bytes(out_v[0])
-            pos = 0
-            for item, src, sb in zip(plan, srcs, src_bytes, strict=True):
-                n = item.n_tokens
-                if item.mem is None:
-                    reader = readers[item.key]
-                    try:
-                        if item.buf is not None:
-                            reader.read_chunk_layer(i, item.buf)
-                        else:  # whole chunk used, host output: read it in place, verify it there
-                            assert ok is not None and ov is not None
-                            reader.read_layer_into(
-                                i,
-                                [ok[h, pos : pos + n] for h in range(ok.shape[0])],
-                                [ov[h, pos : pos + n] for h in range(ov.shape[0])],
-                            )
-                    except Exception as e:
-                        raise LoadFailure(item, e) from e
-                if src is not None:
-                    if sb is not None and ok is not None and ov is not None:
-                        np.copyto(ok[:, pos : pos + n], sb[i, 0, :, :n])
-                        np.copyto(ov[:, pos : pos + n], sb[i, 1, :, :n])
-                    else:
-                        out_k[0, :, pos : pos + n].copy_(src.buf[i, 0, :, :n], non_blocking=True)
-                        out_v[0, :, pos : pos + n].copy_(src.buf[i, 1, :, :n], non_blocking=True)
-                pos += n
-            restored.mark_loaded(i)
+        device = restored.target(0)[0].device
+        # On CUDA the host-to-device copies run on a stream of their own, one event per layer, so layer
+        # i+1 copies while the model computes layer i on its stream (the paper's layer-wise pre-loading).
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            _fill_layers(plan, restored, layout, readers, srcs, src_bytes, stream)
     finally:
         for r in readers.values():
             r.close()
     return from_disk
+
+
+def _fill_layers(
+    plan: list[PlanItem],
+    restored: RestoredKV,
+    layout: KVLayout,
+    readers: dict[str, ChunkReader],
+    srcs: list[ChunkKV | None],
+    src_bytes: list[np.ndarray | None],
+    stream: torch.cuda.Stream | None,
+) -> None:
+    """run_load's layer loop: each layer from every chunk of the plan, then handed to readers."""
+    for i in range(layout.num_layers):
+        out_k, out_v = restored.target(i)
+        ok, ov = host_bytes(out_k[0]), host_bytes(out_v[0])
+        pos = 0
+        for item, src, sb in zip(plan, srcs, src_bytes, strict=True):
+            n = item.n_tokens
+            if item.mem is None:
+                reader = readers[item.key]
+                try:
+                    if item.buf is not None:
+                        reader.read_chunk_layer(i, item.buf)
+                    else:  # whole chunk used, host output: read it in place, verify it there
+                        assert ok is not None and ov is not None
+                        reader.read_layer_into(
+                            i,
+                            [ok[h, pos : pos + n] for h in range(ok.shape[0])],
+                            [ov[h, pos : pos + n] for h in range(ov.shape[0])],
+                        )
+                except Exception as e:
+                    raise LoadFailure(item, e) from e
+            if src is not None:
+                if sb is not None and ok is not None and ov is not None:
+                    np.copyto(ok[:, pos : pos + n], sb[i, 0, :, :n])
+                    np.copyto(ov[:, pos : pos + n], sb[i, 1, :, :n])
+                else:
+                    out_k[0, :, pos : pos + n].copy_(src.buf[i, 0, :, :n], non_blocking=True)
+                    out_v[0, :, pos : pos + n].copy_(src.buf[i, 1, :, :n], non_blocking=True)
+            pos += n
+        event = None
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+        restored.mark_loaded(i, event)
 
 
 def other_bad_chunks(plan: list[PlanItem], failed_key: str, layout: KVLayout) -> list[tuple[str, Exception]]:

@@ -3,6 +3,7 @@ placement hint decides where new KV stays, and the prefetch counters say what th
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtier import KVStore, Schedule
@@ -107,8 +108,6 @@ def _resident_pages(path) -> int | None:
 
 
 def test_drop_page_cache_leaves_written_files_out_of_the_page_cache(tmp_path):
-    import pytest
-
     layers = kv(4 * CHUNK, seed=9)
     resident = {}
     for drop in (False, True):
@@ -125,3 +124,20 @@ def test_drop_page_cache_leaves_written_files_out_of_the_page_cache(tmp_path):
         assert torch.equal(restored.layer(0)[0], layers[0][0][:, :, : match.tokens])  # read back from disk
         store.close()
     assert resident[False] > 0 and resident[True] == 0
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: the copy stream and its events exist there only"
+)
+def test_cuda_restore_copies_on_its_own_stream_with_one_event_per_layer(tmp_path):
+    layers = kv(2 * CHUNK, seed=4)
+    store = make(tmp_path, l0=0, l1=0, l2=8 * CB, device="cuda")
+    store.put("t", toks(2 * CHUNK), layers)
+    match = store.lookup("t", toks(2 * CHUNK))
+    restored = store.load(match)
+    for i, (k, _) in enumerate(layers):
+        rk, _ = restored.layer(i)  # the reader's stream waits on layer i's event
+        assert rk.device.type == "cuda" and torch.equal(rk.cpu(), k[:, :, : match.tokens])
+    restored.wait()
+    assert all(e is not None for e in restored._events)
+    store.close()
