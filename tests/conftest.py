@@ -22,9 +22,9 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.app import build_app
+from proxy.app import build_app, build_full_app
 from proxy.settings import Settings, parse_settings
-from tests.model_fixture import smollm  # noqa: F401 - the real model, once per session
+from tests.model_fixture import MODEL, smollm  # noqa: F401 - the real model, once per session
 from tests.servers import AppServer
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.redis_server import REDIS_SERVER, RedisServer
@@ -109,3 +109,15 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def local_proxy(start_app, make_settings, smollm):  # noqa: F811 - smollm is the fixture imported above
+    """start(**sections) -> AppServer: the proxy serving the real model locally, with these settings
+    (a test module may define its own, e.g. with smaller KV chunks)."""
+
+    def start(**sections):
+        lr = {"enabled": True, **sections.pop("local_runner", {})}
+        return start_app(build_full_app(make_settings(local_runner=lr, **sections), models={MODEL: smollm}))
+
+    return start

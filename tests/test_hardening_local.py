@@ -9,7 +9,6 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.app import build_full_app
 from proxy.keys import LOCAL_RUNNER
 from tests.model_fixture import MODEL
 from tests.servers import http_request
@@ -17,15 +16,6 @@ from tests.servers import http_request
 pytestmark = pytest.mark.model
 
 URL = "/v1/chat/completions"
-
-
-@pytest.fixture
-def local_proxy(start_app, make_settings, smollm):
-    def start(**sections):
-        lr = {"enabled": True, **sections.pop("local_runner", {})}
-        return start_app(build_full_app(make_settings(local_runner=lr, **sections), models={MODEL: smollm}))
-
-    return start
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(local_proxy):

@@ -10,22 +10,20 @@ import orjson
 import pytest
 import urllib3
 
-from proxy.app import build_full_app
 from tests.model_fixture import MODEL
 from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.model
 
 HELLO = [{"role": "user", "content": "Say hello."}]
-
-
-@pytest.fixture
-def local_proxy(start_app, make_settings, smollm):
-    def start(**sections):
-        lr = {"enabled": True, **sections.pop("local_runner", {})}
-        return start_app(build_full_app(make_settings(local_runner=lr, **sections), models={MODEL: smollm}))
-
-    return start
+# A streamed turn long enough to hold the only running slot until its client goes away.
+LONG_STREAM = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Count to five hundred."}],
+    "max_tokens": 400,
+    "temperature": 0,
+    "stream": True,
+}
 
 
 def post(server, body: dict) -> urllib3.BaseHTTPResponse:
@@ -150,13 +148,7 @@ async def runner_is(http: aiohttp.ClientSession, url: str, **want: int) -> bool:
 
 async def test_queue_full_is_503_and_disconnect_cancels(local_proxy):
     server = local_proxy(local_runner={"max_queue": 1, "max_running": 1})
-    long = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Count to five hundred."}],
-        "max_tokens": 400,
-        "temperature": 0,
-        "stream": True,
-    }
+    long = LONG_STREAM
     async with aiohttp.ClientSession() as http:
         url = server.url + "/v1/chat/completions"
         running = await http.post(url, json=long)  # streaming: its headers arrive with the first token
@@ -192,13 +184,7 @@ async def test_queue_full_a_miss_goes_upstream_and_a_hit_waits_for_a_local_slot(
     server = local_proxy(local_runner={"max_queue": 1, "max_running": 1}, llm_endpoint={"model": MODEL})
     url = server.url + "/v1/chat/completions"
     first = [{"role": "user", "content": "Name a color."}]
-    long = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Count to five hundred."}],
-        "max_tokens": 400,
-        "temperature": 0,
-        "stream": True,
-    }
+    long = LONG_STREAM
     async with aiohttp.ClientSession() as http:
         turn1 = await http.post(
             url, json={"model": MODEL, "messages": first, "max_tokens": 4, "temperature": 0}
