@@ -101,6 +101,35 @@ def max_chars_per_token(tokenizer: Any) -> int:
     return max(1, max((len(tokenizer.convert_tokens_to_string([t])) for t in vocab if t), default=1))
 
 
+# Bytes of request body per token of context that a prompt that fits can need at most: generous for
+# UTF-8 and JSON escapes (\uXXXX), since a token is a few characters; plus room for the rest of the body.
+BODY_BYTES_PER_CONTEXT_TOKEN = 64
+BODY_OVERHEAD_BYTES = 64 * 1024
+
+
+def refuse_oversized_local_body(request: web.Request) -> None:
+    """A proxy without an upstream serves local models only: a body larger than any of their contexts
+    can hold (by Content-Length) is refused before a byte of it is read or parsed (413), so a client
+    sending huge bodies costs the event loop no more than a small request does."""
+    from .keys import LOCAL_RUNNER, SETTINGS
+
+    if request.app[SETTINGS].llm_endpoint.base_url or request.content_length is None:
+        return
+    runner = request.app.get(LOCAL_RUNNER)
+    if runner is None or not runner.models:
+        return
+    context = max(runner.context_limit(m) for m in runner.models)
+    limit = context * BODY_BYTES_PER_CONTEXT_TOKEN + BODY_OVERHEAD_BYTES
+    if request.content_length > limit:
+        raise APIError(
+            413,
+            f"The request body ({request.content_length} bytes) is larger than any prompt the local models "
+            f"can take ({context} tokens; at most {limit} bytes).",
+            code="request_too_large",
+            headers={"Connection": "close"},
+        )
+
+
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body (client_max_size applies: 413 via the error middleware), or a 408 when it does not
     arrive within `timeout_s`, e.g. a Content-Length larger than what the client sends."""

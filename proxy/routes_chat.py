@@ -13,7 +13,7 @@ from .errors import APIError, error_response
 from .forwarding import FORWARDER
 from .headers import TTFT, store_headers
 from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS, SETTINGS
-from .limits import read_body
+from .limits import read_body, refuse_oversized_local_body
 from .routing import choose_route
 from .session import resolve_session
 from .settings import replica_id
@@ -24,6 +24,7 @@ from .upstream import forward_chat
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     received_at = time.monotonic()
     settings = request.app[SETTINGS]
+    refuse_oversized_local_body(request)
     raw = await read_body(request, settings.proxy.body_read_timeout_s)
     chat = parse_chat(raw)
     key = settings.attention_store.session_key

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.model
 URL = "/v1/chat/completions"
 
 
-def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(local_proxy):
-    server = local_proxy()
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(local_proxy, fake_upstream):
+    server = local_proxy()  # with an upstream: big bodies may be its (images), so they are read
     runner = server.app[LOCAL_RUNNER]
     calls = []
     real = runner.render_turn if hasattr(runner, "render_turn") else runner.render
@@ -38,6 +38,17 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(local_proxy):
     small = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     assert http_request("POST", server.url + URL, small, timeout=60).status == 200
     assert calls == [1]
+
+
+def test_without_an_upstream_an_oversized_body_is_refused_before_it_is_read(local_proxy):
+    server = local_proxy()
+    runner = server.app[LOCAL_RUNNER]
+    limit = runner.context_limit(MODEL) * 64 + 64 * 1024
+    huge = {"model": MODEL, "messages": [{"role": "user", "content": "a" * (limit + 1)}], "max_tokens": 2}
+    r = http_request("POST", server.url + URL, huge, timeout=60)
+    assert r.status == 413 and r.json()["error"]["code"] == "request_too_large"
+    fits = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 2000}], "max_tokens": 2}
+    assert http_request("POST", server.url + URL, fits, timeout=60).status == 200
 
 
 async def test_one_client_gets_at_most_max_concurrent_per_client_local_requests(local_proxy):
