@@ -296,8 +296,8 @@ def scheduler_table(report: dict[str, Any]) -> str:
     """Scheduler-aware tiering against plain LRU (modes "reuse" and "reuse-lru"): where reused tokens
     came from at admission, TTFT, and what the look-ahead prefetch was worth."""
     rows = [
-        "| mode | reused from L0 / L1 / L2 | L2 tokens on the critical path | TTFT p50 / p90 ms (server) | prefetch used / wasted |",
-        "|---|---|---|---|---|",
+        "| mode | reused from L0 / L1 / L2 | L2 tokens on the critical path | TTFT p50 / p90 ms (server) | queue wait mean ms | prefetch used / wasted |",
+        "|---|---|---|---|---|---|",
     ]
     stats = report.get("meta", {}).get("store_stats", {})
     for mode in ("reuse", "reuse-lru"):
@@ -310,8 +310,11 @@ def scheduler_table(report: dict[str, Any]) -> str:
         p50 = ttft[len(ttft) // 2] if ttft else float("nan")
         p90 = ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else float("nan")
         st = stats.get(mode, {})
+        runner = st.get("runner") or {}
+        wait_ms = 1000.0 * runner.get("queue_wait_seconds", 0.0) / max(1, runner.get("admitted", 0))
         rows.append(
             f"| {mode} | {tiers['l0'] / total:.0%} / {tiers['l1'] / total:.0%} / {tiers['l2'] / total:.0%} | "
-            f"{tiers['l2']} | {p50:.0f} / {p90:.0f} | {st.get('prefetch_used', 0)} / {st.get('prefetch_wasted', 0)} |"
+            f"{tiers['l2']} | {p50:.0f} / {p90:.0f} | {wait_ms:.0f} | "
+            f"{st.get('prefetch_used', 0)} / {st.get('prefetch_wasted', 0)} |"
         )
     return "\n".join(rows)

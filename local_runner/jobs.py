@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +65,7 @@ Event = FirstToken | TextDelta | Finished | Failed
 class Job:
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
         self.request = request
+        self.submitted_at = time.monotonic()  # queue wait = admission - this
         self._loop = loop
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancelled = threading.Event()

@@ -33,6 +33,8 @@ class RunnerStats:
     stores: dict[str, StoreStats]  # per served model with a KV store
     shifted_turns: int = 0  # turns that reused KV moved to new positions after a truncation
     shifted_tokens: int = 0  # the tokens so moved
+    admitted: int = 0  # jobs taken from the queue so far
+    queue_wait_seconds: float = 0.0  # their time in the queue, summed (mean = this / admitted)
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,8 @@ class Runner:
             stores={name: store.stats() for name, store in self.stores.items()},
             shifted_turns=self.shift_stats.turns,
             shifted_tokens=self.shift_stats.tokens,
+            admitted=self._worker.admitted,
+            queue_wait_seconds=self._worker.queue_wait_seconds,
         )
 
     def describe(self) -> dict[str, dict[str, object]]:

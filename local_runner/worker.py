@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -76,6 +77,8 @@ class Worker:
         self._stopping = False
         self.cancelled = 0  # jobs stopped because their client went away
         self.steps = 0  # forwards run (a packed step counts once)
+        self.admitted = 0  # jobs taken from the queue
+        self.queue_wait_seconds = 0.0  # their time in the queue, summed
         self._thread = threading.Thread(target=self._run, name="attnstore-runner", daemon=True)
         self._thread.start()
 
@@ -156,6 +159,8 @@ class Worker:
         return taken
 
     def _admit(self, job: Job) -> None:
+        self.admitted += 1
+        self.queue_wait_seconds += time.monotonic() - job.submitted_at
         if job.cancelled:  # its client left while it waited: end it like a cancelled running job
             job.emit(Finished("cancelled", len(job.request.prompt_ids), 0, 0))
             self.cancelled += 1

@@ -71,6 +71,8 @@ async def stats(request: web.Request) -> web.Response:
             "cancelled": snapshot.cancelled,
             "shifted_turns": snapshot.shifted_turns,
             "shifted_tokens": snapshot.shifted_tokens,
+            "admitted": snapshot.admitted,
+            "queue_wait_seconds": round(snapshot.queue_wait_seconds, 6),
         }
         if snapshot
         else None,

@@ -192,6 +192,7 @@ def test_stats_and_metrics_report_the_store(local_proxy):
     assert 'attnstore_chat_requests_total{cache="l0_hit",route="local"} 1.0' in text
     assert 'attnstore_ttft_seconds_count{cache="miss"} 1.0' in text
     assert "attnstore_tier_used_bytes" in text and "attnstore_reused_tokens_total" in text
+    assert stats["runner"]["admitted"] == 2 and 0 <= stats["runner"]["queue_wait_seconds"] < 60
     reused = stats["reused_tokens"]["l0"]
     assert reused > 0 and stats["reused_tokens"]["l2"] == 0
     assert f'attnstore_store_reused_tokens_total{{model="{MODEL}",tier="l0"}} {float(reused)}' in text
