@@ -33,7 +33,7 @@ from multidict import CIMultiDict
 from .backend import RequestContext
 from .chat_request import ChatRequest
 from .headers import TTFT
-from .keys import HTTP_CLIENT, LOCAL_RUNNER
+from .keys import HTTP_CLIENT, LOCAL_RUNNER, METRICS
 from .session_index import ReplicaInfo, SessionIndex, SessionRecord
 from .settings import Settings, replica_id
 from .upstream import HOP_BY_HOP, response_headers
@@ -76,8 +76,15 @@ def forward_headers(client: Mapping[str, str], me: str) -> CIMultiDict[str]:
 
 
 class Forwarder:
-    def __init__(self, settings: Settings, index: SessionIndex, load: Callable[[], int]):
+    def __init__(
+        self,
+        settings: Settings,
+        index: SessionIndex,
+        load: Callable[[], int],
+        on_outcome: Callable[[str], None] = lambda outcome: None,
+    ):
         p = settings.proxy
+        self.on_outcome = on_outcome  # "forwarded" | "served_here", once per attempt
         self.me = replica_id(settings)
         self.url = p.advertise_url.rstrip("/")
         self.index = index
@@ -128,7 +135,9 @@ class Forwarder:
         url = forward_target(record, owner, me=self.me, own_load=self.load(), max_gap=self.max_gap)
         if url is None:
             return None
-        return await self._forward(request, chat, ctx, url + request.raw_path, record.replica)
+        response = await self._forward(request, chat, ctx, url + request.raw_path, record.replica)
+        self.on_outcome("forwarded" if response is not None else "served_here")
+        return response
 
     async def _forward(
         self, request: web.Request, chat: ChatRequest, ctx: RequestContext, url: str, owner: str
@@ -200,7 +209,8 @@ def install_forwarding(app: web.Application, settings: Settings, index: SessionI
         runner = app[LOCAL_RUNNER]
         return runner.queue_depth + runner.running if runner is not None else 0
 
-    forwarder = Forwarder(settings, index, load)
+    forwarded = app[METRICS].forwarded
+    forwarder = Forwarder(settings, index, load, lambda outcome: forwarded.labels(outcome).inc())
     app[FORWARDER] = forwarder
     app.cleanup_ctx.append(forwarder.heartbeat)
     return forwarder

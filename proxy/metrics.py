@@ -79,6 +79,13 @@ class Metrics:
         self.prefilled_tokens = Counter(
             "attnstore_prefilled_tokens", "Prompt tokens computed by prefill", registry=self.registry
         )
+        self.forwarded = Counter(
+            "attnstore_forwarded_turns",
+            "Local turns of a session another replica holds in memory: forwarded there, or served here "
+            "after a failed attempt (owner dead, slow, full or failing before its answer)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "attnstore_ttft_seconds",
             "Time to first token by cache level",

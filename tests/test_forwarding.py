@@ -21,7 +21,7 @@ from proxy.app import build_app
 from proxy.errors import APIError
 from proxy.forwarding import FORWARDED_BY, FORWARDER, forward_target
 from proxy.headers import store_headers
-from proxy.keys import LOCAL_RUNNER
+from proxy.keys import LOCAL_RUNNER, METRICS
 from proxy.session_index import MemorySessionIndex, RedisSessionIndex, ReplicaInfo, SessionRecord
 from proxy.tenant import tenant_of
 from tests.support.threaded_server import free_port
@@ -143,7 +143,7 @@ def chat(
 def test_a_turn_goes_to_the_live_owner_as_is_and_streams_back_chunk_by_chunk(replica, redis_server):
     gate = threading.Event()
     here, there = StandIn("replica-x"), StandIn("replica-o", gate=gate)
-    x, _ = replica("replica-x", here)
+    x, x_app = replica("replica-x", here)
     replica("replica-o", there)
     wait_until(lambda: heartbeat_of(redis_server.url, "replica-o"), "replica-o's heartbeat", 10)
     own(redis_server.url, "conv", "replica-o")
@@ -165,6 +165,7 @@ def test_a_turn_goes_to_the_live_owner_as_is_and_streams_back_chunk_by_chunk(rep
     assert headers["Authorization"] == AUTH["Authorization"] and headers["X-Client-Thing"] == "kept"
     assert orjson.loads(raw)["session_id"] == "conv"  # the body as the client sent it
     assert ctx.session == "conv" and ctx.tenant == TENANT
+    assert 'attnstore_forwarded_turns_total{outcome="forwarded"} 1.0' in x_app[METRICS].render().decode()
 
 
 def test_a_forwarded_turn_is_served_where_it_lands(replica, redis_server):
@@ -196,7 +197,7 @@ def test_a_dead_full_or_failing_owner_costs_one_attempt_never_the_request(
 ):
     caplog.set_level(logging.INFO, logger="attnstore.forwarding")
     here = StandIn("replica-x")
-    x, _ = replica("replica-x", here)
+    x, x_app = replica("replica-x", here)
     if owner == "dead":  # its heartbeat has not expired yet, but nothing listens there any more
         url = f"http://127.0.0.1:{free_port()}"
         there = None
@@ -213,6 +214,8 @@ def test_a_dead_full_or_failing_owner_costs_one_attempt_never_the_request(
         assert len(there.seen) == 1  # one attempt, not a retry loop
     tried = [r for r in caplog.records if r.name == "attnstore.forwarding" and "replica-o" in r.getMessage()]
     assert len(tried) == 1
+    text = x_app[METRICS].render().decode()
+    assert 'attnstore_forwarded_turns_total{outcome="served_here"} 1.0' in text
 
 
 @pytest.mark.parametrize("case", ["l2", "mine", "expired"])
