@@ -90,3 +90,45 @@ def test_any_body_is_answered_with_a_2xx_or_4xx(fuzz_proxy, body, header_session
 
 def test_the_proxy_is_alive_after_the_fuzzing(fuzz_proxy):
     assert http_request("GET", fuzz_proxy.url + "/healthz").status == 200
+
+
+# The same with the real local model behind the proxy: near-valid bodies for the local model, answers
+# kept short (max_tokens drawn small, or the small default), so every example stays cheap.
+local_messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "system", "developer", "tool", "bogus"])},
+        optional={"content": st.one_of(st.text(max_size=30), json_values)},
+    ),
+    min_size=1,
+    max_size=3,
+)
+local_bodies = st.fixed_dictionaries(
+    {"model": st.just("smollm2-135m-instruct"), "messages": local_messages},
+    optional={
+        "max_tokens": st.one_of(st.integers(min_value=-2, max_value=3), json_values),
+        "temperature": st.one_of(st.floats(min_value=-1, max_value=3, allow_nan=False), json_values),
+        "stream": st.one_of(st.booleans(), json_values),
+        "stop": st.one_of(st.lists(st.text(max_size=4), max_size=5), json_values),
+        "seed": json_values,
+        "top_p": json_values,
+        "n": json_values,
+    },
+).map(orjson.dumps)
+
+
+@pytest.fixture
+def local_fuzz_proxy(local_proxy):
+    return local_proxy(local_runner={"max_tokens_default": 3})
+
+
+@pytest.mark.model
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=local_bodies)
+def test_any_body_for_the_local_model_is_answered_with_a_2xx_or_4xx(local_fuzz_proxy, body):
+    r = http_request(
+        "POST", local_fuzz_proxy.url + URL, body, {"Content-Type": "application/json"}, timeout=60
+    )
+    assert 200 <= r.status < 500, (r.status, r.body[:300])
+    if r.status >= 400:
+        assert set(orjson.loads(r.body)["error"]) == {"message", "type", "param", "code"}
+    assert http_request("GET", local_fuzz_proxy.url + "/healthz").status == 200
