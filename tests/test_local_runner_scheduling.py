@@ -104,3 +104,21 @@ async def test_without_overlap_a_job_waits_for_its_restore_and_answers_the_same(
             runner.close()
         assert out.first is not None and out.first.tiers["l2"] > 0
         assert out.text == lm.tokenizer.decode(greedy_alone(lm, second, 8), skip_special_tokens=True)
+
+
+async def test_a_turn_that_ends_on_its_first_step_still_saves_its_kv(tmp_path):
+    """A job that reused stored KV and ends with its first token (max_tokens=1) while its restore was
+    still settling saves its prompt's KV all the same: the next turn finds it."""
+    lm = tiny_loaded(model=tiny_llama(seed=14))
+    store = open_store(lm, tmp_path)
+    runner = Runner({"tiny": lm}, {"tiny": store})
+    try:
+        first = ids_of(lm, "one word answers only please")
+        await drain(submit(runner, "tiny", first, 6))
+        for n in range(5):
+            second = first + ids_of(lm, f" and number {n}?")
+            out = await drain(submit(runner, "tiny", second, 1))
+            assert out.first is not None and out.first.reused_tokens > 0
+            assert store.lookup("anonymous", second, count=False).tokens == len(second)
+    finally:
+        runner.close()
