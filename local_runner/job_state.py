@@ -245,7 +245,9 @@ class JobState:
     def _save(self) -> list[str]:
         """Hand the KV of every fed token to the store before the job reports its end, so the client's
         next turn (which may follow at once) finds it. The store copies only chunks it lacks."""
-        if self.restored is not None and self.fed_ids:
+        if self.restored is not None:
+            if len(self.fed_ids) <= self.reused:
+                return []  # cancelled before computing anything: all it holds is stored already
             # It ended on its first step, which read every layer while the store was still settling
             # the restore (promotion, unpinning): the KV is complete, only the bookkeeping lags.
             self.restored.wait_ready(10.0)
