@@ -136,7 +136,8 @@ class Forwarder:
         if url is None:
             return None
         response = await self._forward(request, chat, ctx, url + request.raw_path, record.replica)
-        self.on_outcome("forwarded" if response is not None else "served_here")
+        if response is None:
+            self.on_outcome("served_here")
         return response
 
     async def _forward(
@@ -177,6 +178,7 @@ class Forwarder:
             log.debug("session=%s turn=%d forwarded to %s", ctx.session, ctx.turn, owner)
             out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=headers)
             await out.prepare(request)
+            self.on_outcome("forwarded")  # counted before the client can see the answer
             if first:
                 await out.write(first)
             try:
