@@ -14,6 +14,7 @@ from .forwarding import FORWARDER
 from .headers import TTFT, store_headers
 from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS, SETTINGS
 from .limits import read_body, refuse_oversized_local_body
+from .middleware import ROUTE_KEY, SESSION_KEY
 from .routing import choose_route
 from .session import resolve_session
 from .settings import replica_id
@@ -30,6 +31,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     key = settings.attention_store.session_key
     chat.body_modified = key in chat.body
     session = resolve_session(chat.body, request.headers, key)
+    request[SESSION_KEY] = session
     ctx = RequestContext(
         received_at=received_at,
         tenant=tenant_of(request.headers),
@@ -39,6 +41,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     backend = request.app[LOCAL_BACKEND]
     route = choose_route(settings, chat, backend)
     if route.kind == "local" and backend is not None:
+        request[ROUTE_KEY] = "local"
         forwarder = request.app.get(FORWARDER)
         if forwarder is not None:  # another replica holds this session's KV in memory: its turn
             forwarded = await forwarder.try_forward(request, chat, ctx)

@@ -172,6 +172,11 @@ def test_a_prompt_longer_than_the_context_is_a_400_naming_it(local_proxy):
     assert resp.status == 400
     error = orjson.loads(resp.data)["error"]
     assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    # An error answer carries the X-AttentionStore-* headers too: a local turn that reused nothing.
+    assert (
+        resp.headers["X-AttentionStore-Route"] == "local" and resp.headers["X-AttentionStore-Cache"] == "miss"
+    )
+    assert resp.headers["X-AttentionStore-Reused-Tokens"] == "0" and resp.headers["X-AttentionStore-Session"]
 
 
 def test_healthz_names_each_local_models_device_dtype_and_batching(local_proxy):

@@ -1,5 +1,6 @@
 """Bad input is a 4xx OpenAI error naming the param; a handler crash is a 500 and the proxy keeps going."""
 
+import orjson
 import pytest
 from aiohttp import web
 
@@ -115,3 +116,24 @@ def test_handler_crash_is_500_and_proxy_survives(fake_upstream, start_proxy, mak
     assert err["type"] == "server_error" and "exploded" not in err["message"]
     assert any("local backend exploded" in (r.exc_text or "") for r in caplog.records)
     assert http_request("POST", server.url + URL, {**OK, "model": "local-model"}).status == 200
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        orjson.dumps({"model": "m", "messages": []}),
+        orjson.dumps({"messages": [{"role": "user"}]}),
+    ],
+)
+def test_an_error_answer_carries_the_attentionstore_headers_too(proxy, body):
+    r = http_request("POST", proxy.url + "/v1/chat/completions", body, {"X-Session-Id": "s-err"})
+    assert r.status == 400
+    assert (
+        r.headers["x-attentionstore-cache"] == "bypass" and r.headers["x-attentionstore-route"] == "upstream"
+    )
+    assert (
+        r.headers["x-attentionstore-reused-tokens"] == "0"
+        and r.headers["x-attentionstore-session"] == "s-err"
+    )
+    assert float(r.headers["x-attentionstore-ttft-ms"]) >= 0 and r.headers["x-attentionstore-replica"]
