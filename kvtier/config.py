@@ -10,6 +10,8 @@ import torch
 from .tiers import TIERS, Tier
 
 PLACEMENT_HINTS = ("ttft_priority", "throughput")
+EVICTION_POLICIES = ("lru",)  # within the scheduler's order (schedule.py): least recently used first
+L2_FORMATS = ("safetensors",)  # one safetensors file per chunk (chunk_format.py)
 
 
 @dataclass
@@ -33,12 +35,20 @@ class StoreConfig:
     # Drop each L2 file from the OS page cache once it is durable, so reading it back is a disk read
     # (benchmarks of the disk tier; or to leave the page cache to other uses).
     drop_page_cache: bool = False
+    l0_eviction: str = "lru"
+    l1_eviction: str = "lru"
+    l2_format: str = "safetensors"
 
     def __post_init__(self) -> None:
         self.l2_path = Path(self.l2_path)
         for name in ("l0_capacity_bytes", "l1_capacity_bytes", "l2_capacity_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        for name in ("l0_eviction", "l1_eviction"):
+            if getattr(self, name) not in EVICTION_POLICIES:
+                raise ValueError(f"{name} must be one of {', '.join(EVICTION_POLICIES)}")
+        if self.l2_format not in L2_FORMATS:
+            raise ValueError(f"l2_format must be one of {', '.join(L2_FORMATS)}")
         if self.placement_hint not in PLACEMENT_HINTS:
             raise ValueError(f"placement_hint must be one of {', '.join(PLACEMENT_HINTS)}")
         positive = ("chunk_tokens", "save_workers", "save_queue_chunks", "load_workers")
