@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> None:
         runner = Runner(
             {MODEL: lm},
             {MODEL: store},
-            max_running=max(args.streams),
+            max_running=max(*args.streams, 8),  # room for the long prompt and the hit beside 4 streams
             max_queue=64,
             max_batch_tokens=args.max_batch_tokens,
         )

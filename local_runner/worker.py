@@ -242,9 +242,9 @@ class Worker:
             for state, _ in items:
                 if state.restored is not None:
                     state.recompute(KVLoadError("restore failed"))
-        except Exception:
-            if len(items) == 1:
-                self._run_isolated(items, run_packed)
+        except Exception as exc:
+            if len(items) == 1:  # nothing to isolate: this job is the failing one
+                items[0][0].fail(exc)
                 return
             log.warning("a batched step failed; running its jobs one by one to find the failing one")
             for item in items:
