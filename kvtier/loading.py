@@ -8,6 +8,7 @@ never a wrong answer.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -35,8 +36,13 @@ class Loading:
 
     # ---- load ----------------------------------------------------------------------------------------
 
-    def load(self, match: PrefixMatch, capacity: int | None) -> RestoredKV:
-        restored = RestoredKV(match.tokens, self._s.layout, self._s.device, capacity)
+    def load(
+        self,
+        match: PrefixMatch,
+        capacity: int | None,
+        out: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> RestoredKV:
+        restored = RestoredKV(match.tokens, self._s.layout, self._s.device, capacity, out)
         if match.tokens == 0:
             return restored
         s = self._s

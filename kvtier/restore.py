@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,12 @@ class RestoredKV:
     """The handle load() returns; layer(i) blocks until layer i is ready."""
 
     def __init__(
-        self, num_tokens: int, layout: KVLayout, device: torch.device, capacity: int | None = None
+        self,
+        num_tokens: int,
+        layout: KVLayout,
+        device: torch.device,
+        capacity: int | None = None,
+        out: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.num_tokens = num_tokens
         # Room for tokens the caller will append (its prompt's rest and answer): the caller can then
@@ -64,16 +70,24 @@ class RestoredKV:
         self._events: list[torch.cuda.Event | None] = [None] * n
         self._error: KVLoadError | None = None
         self._settled = threading.Event()  # set once the store's bookkeeping (promotion, unpinning) is done
-        # Outputs are allocated here, in the caller's thread: memory from a worker thread's malloc arena is
-        # returned to the OS after each load and page-faulted in again (measured ~10x slower on CPU).
-        shape = (1, layout.num_kv_heads, self.capacity, layout.head_dim)
-        self._out = [
-            (
-                torch.empty(shape, dtype=layout.dtype, device=device),
-                torch.empty(shape, dtype=layout.dtype, device=device),
-            )
-            for _ in range(n)
-        ]
+        if out is not None:
+            # The caller's own buffers (a runner's KV slot): the restore writes where the job computes,
+            # so nothing is copied again once it has arrived.
+            self._out = [_check_target(i, kv, layout, num_tokens, device) for i, kv in enumerate(out)]
+            if len(self._out) != n:
+                raise ValueError(f"restore targets: {len(self._out)} layers given, the layout has {n}")
+            self.capacity = min(int(k.shape[-2]) for k, _ in self._out)
+        else:
+            # Outputs are allocated here, in the caller's thread: memory from a worker thread's malloc
+            # arena is returned to the OS after each load and page-faulted in again (~10x slower on CPU).
+            shape = (1, layout.num_kv_heads, self.capacity, layout.head_dim)
+            self._out = [
+                (
+                    torch.empty(shape, dtype=layout.dtype, device=device),
+                    torch.empty(shape, dtype=layout.dtype, device=device),
+                )
+                for _ in range(n)
+            ]
         if num_tokens == 0:
             for i in range(n):
                 self.mark_loaded(i)
@@ -141,6 +155,30 @@ class RestoredKV:
         self._settled.wait()
         if self._error is not None:
             raise self._error
+
+
+def _check_target(
+    i: int, kv: tuple[torch.Tensor, torch.Tensor], layout: KVLayout, num_tokens: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A caller's layer buffers must be [1, heads, >= num_tokens, head_dim] of the layout's dtype on
+    the store's device, each head's tokens contiguous (the loader writes them as plain byte rows)."""
+    for t in kv:
+        ok = (
+            t.dim() == 4
+            and t.shape[0] == 1
+            and t.shape[1] == layout.num_kv_heads
+            and t.shape[2] >= num_tokens
+            and t.shape[3] == layout.head_dim
+            and t.dtype == layout.dtype
+            and t.device == device
+            and t.stride(-1) == 1
+            and t.stride(-2) == layout.head_dim
+        )
+        if not ok:
+            raise ValueError(
+                f"restore target of layer {i}: {tuple(t.shape)} {t.dtype} on {t.device} does not fit"
+            )
+    return kv
 
 
 def run_load(plan: list[PlanItem], restored: RestoredKV, layout: KVLayout) -> dict[str, ChunkKV]:

@@ -145,10 +145,19 @@ class KVStore:
 
     # ---- load and prefetch -------------------------------------------------------------------------
 
-    def load(self, match: PrefixMatch, *, capacity: int | None = None) -> RestoredKV:
+    def load(
+        self,
+        match: PrefixMatch,
+        *,
+        capacity: int | None = None,
+        out: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> RestoredKV:
         """Start restoring the match's KV on a load thread; layer(i) of the result blocks per layer.
-        `capacity`: tokens of room to allocate per layer (at least match.tokens), see RestoredKV."""
-        return self._loading.load(match, capacity)
+        `capacity`: tokens of room to allocate per layer (at least match.tokens), see RestoredKV.
+        `out`: the caller's own per-layer (K, V) buffers, [1, heads, >= match.tokens, head_dim] each,
+        to restore into instead (nothing is allocated); they must stay untouched until the result is
+        `ready` (a failed or cancelled job waits for that before it reuses them)."""
+        return self._loading.load(match, capacity, out)
 
     def prefetch(self, match: PrefixMatch) -> None:
         """Bring the match's chunks up in the background (disk to host, into L0 where it has room without

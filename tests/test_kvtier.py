@@ -548,3 +548,28 @@ def test_an_uncounted_lookup_leaves_hits_and_misses_alone(tmp_path):
     assert after.hits == before.hits and after.misses == before.misses
     assert store.lookup("t", toks(10)).tokens == 10
     assert store.stats().hits["l0"] == before.hits["l0"] + 1
+
+
+@pytest.mark.parametrize("l0", [100 * CB, 0])  # from memory, and straight from the L2 files
+def test_load_into_caller_buffers_fills_them_in_place(tmp_path, l0):
+    """A runner restores into its own KV slot (a row of a bigger pool): the restored KV lands in those
+    very buffers, other rows of the pool are untouched, and buffers that cannot hold it are refused."""
+    store = make(tmp_path, l0=l0, l1=0)
+    layers = kv(10)
+    store.put("t", toks(10), layers)
+    match = store.lookup("t", toks(10))
+    shape = (3, LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, 32, LAYOUT.head_dim)  # 3 slots of 32 tokens
+    pool = torch.full(shape, -7.0)
+    out = [(pool[1, i, 0].unsqueeze(0), pool[1, i, 1].unsqueeze(0)) for i in range(LAYOUT.num_layers)]
+    restored = store.load(match, out=out)
+    restored.wait()
+    for i, (k, v) in enumerate(layers):
+        bk, bv = restored.buffers(i)
+        assert bk.data_ptr() == out[i][0].data_ptr() and bv.data_ptr() == out[i][1].data_ptr()
+        assert torch.equal(pool[1, i, 0, :, :10], k[0]) and torch.equal(pool[1, i, 1, :, :10], v[0])
+    assert (
+        torch.all(pool[0] == -7.0) and torch.all(pool[2] == -7.0) and torch.all(pool[1, :, :, :, 10:] == -7.0)
+    )
+    too_short = [(t[0][:, :, :5], t[1][:, :, :5]) for t in out]
+    with pytest.raises(ValueError, match="does not fit"):
+        store.load(match, out=too_short)
