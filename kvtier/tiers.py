@@ -9,16 +9,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Literal
 
-Tier = Literal["l0", "l1", "l2"]
-"""A tier's name: l0 = the runner's device, l1 = host memory, l2 = disk (the one spelling everywhere)."""
+from .tier_names import MEMORY_TIERS, TIERS, Tier
 
-TIERS: tuple[Tier, ...] = ("l0", "l1", "l2")
-"""Fastest first: a tier's position is its rank (eviction demotes towards the end)."""
-
-MEMORY_TIERS: tuple[Tier, ...] = ("l0", "l1")
-"""The tiers that hold tensors in memory (placement tries them in this order)."""
+__all__ = ["MEMORY_TIERS", "TIERS", "Tier", "TierBudget"]
 
 
 class TierBudget:
