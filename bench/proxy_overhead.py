@@ -2,7 +2,7 @@
 
     python -m bench.proxy_overhead [--requests 2000] [--concurrency 32] [--seconds 3] [--rounds 3]
 
-Starts the fake upstream (tests.support.fake_upstream) and the proxy (`python -m proxy serve`) as two processes
+Starts the fake upstream (bench.support.fake_upstream) and the proxy (`python -m proxy serve`) as two processes
 on loopback, then from this process:
   1. sequential latency: the same small chat request alternately direct and through the proxy
      (non-streamed and streamed, the stream read to its end), p50/p99 of each and the difference;
@@ -25,7 +25,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from tests.support.threaded_server import free_port
+from .support.threaded_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = {"model": "gpt-fake", "messages": [{"role": "user", "content": "Say hello."}]}
@@ -120,7 +120,7 @@ async def run(args: argparse.Namespace) -> int:
         "proxy": {"log_level": args.log_level},
     }
     (tmp / "settings.json").write_bytes(orjson.dumps(settings))
-    upstream = start(["-m", "tests.support.fake_upstream", "--port", str(up_port)])
+    upstream = start(["-m", "bench.support.fake_upstream", "--port", str(up_port)])
     proxy = start(["-m", "proxy", "serve", "--settings", str(tmp / "settings.json"), "--port", str(px_port)])
     try:
         direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"

@@ -26,9 +26,9 @@ from typing import Any
 import orjson
 import urllib3
 
-from tests.support.processes import REPO, UNREACHABLE, ReplicaProcess
-from tests.support.redis_server import REDIS_SERVER, RedisServer
-from tests.support.waiting import wait_until
+from .support.processes import REPO, UNREACHABLE, ReplicaProcess
+from .support.redis_server import REDIS_SERVER, RedisServer
+from .support.waiting import wait_until
 
 MODEL = "smollm2-135m-instruct"
 QUESTIONS = [

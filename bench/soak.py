@@ -148,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from proxy.app import build_full_app
     from proxy.settings import DEFAULT_MODEL_NAME, parse_settings
-    from tests.support.redis_server import REDIS_SERVER, RedisServer
-    from tests.support.threaded_server import AppServer
+
+    from .support.redis_server import REDIS_SERVER, RedisServer
+    from .support.threaded_server import AppServer
 
     args.model = DEFAULT_MODEL_NAME
     if REDIS_SERVER is None:

@@ -1,3 +1,2 @@
-"""Test support shared with the benchmarks: the threaded app server, the fake upstream, a Redis server.
-
-None of it is product code: `proxy/`, `kvtier/` and `local_runner/` never import it."""
+"""The tests' servers and helpers: re-exported from `bench.support`, where they live so that an installed
+`attnstore bench` has them outside the checkout. Import from either; the objects are the same."""
