@@ -67,10 +67,12 @@ async def stream_chat(
     *,
     api_key: str = "bench",
     timeout_s: float = 900.0,
+    headers: dict[str, str] | None = None,
 ) -> ChatResult:
-    """POST `body` (forced to stream with usage) to `url` and read the whole stream."""
+    """POST `body` (forced to stream with usage) to `url` and read the whole stream; `headers` are sent
+    besides the key (e.g. X-Session-Id, which any server may ignore where a body field could be refused)."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    headers = {**(headers or {}), "Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
     parts: list[str] = []
     finish: str | None = None
     usage: dict[str, Any] = {}

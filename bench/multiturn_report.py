@@ -50,6 +50,7 @@ class TurnRecord:
     raw_read_ms: float | None = None  # plain read of the KV bytes that came from L2
     l2_chunks: int | None = None  # chunks found in L2 during this turn (store stats; rounds of one)
     tiers: dict[str, int] | None = None  # reused tokens per tier (X-AttentionStore-Tiers)
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None: not reported
 
 
 def bucket_of(tokens: int) -> str:

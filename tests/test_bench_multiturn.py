@@ -32,6 +32,7 @@ RECORD_FIELDS = {
     "raw_read_ms",
     "l2_chunks",
     "tiers",
+    "cached_tokens",
 }
 
 
@@ -133,6 +134,7 @@ def test_bench_end_to_end(smollm, tmp_path: Path):
         assert t["ttft_client_ms"] > 0 and t["total_ms"] >= t["ttft_client_ms"]
         assert t["hit"] in ("l0_hit", "l1_hit", "l2_hit", "miss")
         assert sum(t["tiers"].values()) == t["reused_tokens"]  # the Tiers header adds up
+        assert t["cached_tokens"] == t["reused_tokens"]  # usage reports what the headers say
     base = [t for t in turns if t["mode"] == "recompute"]
     reuse = [t for t in turns if t["mode"] == "reuse"]
     assert all(t["reused_tokens"] == 0 and t["hit"] == "miss" for t in base)
