@@ -15,7 +15,7 @@ from .chat_request import ChatRequest
 from .errors import APIError
 from .forwarding import install_forwarding
 from .keys import HTTP_CLIENT, LOCAL_BACKEND, LOCAL_RUNNER, METRICS, SESSION_INDEX, SETTINGS
-from .metrics import Metrics
+from .metrics import Metrics, RunnerCollector
 from .middleware import error_middleware
 from .routes_chat import chat_completions
 from .routes_misc import healthz, list_models
@@ -74,6 +74,7 @@ def build_app(
     app[SESSION_INDEX] = index or MemorySessionIndex()
     # Read at scrape time, on the thread that renders the metrics (never on the event loop).
     app[METRICS] = Metrics(lambda: store_stats(app[LOCAL_RUNNER]))
+    app[METRICS].registry.register(RunnerCollector(lambda: r.stats() if (r := app[LOCAL_RUNNER]) else None))
     app.cleanup_ctx.append(_http_client)
     app.on_cleanup.append(_close_local)
     # With an advertise_url and a Redis index: the heartbeat, and turns forwarded to the replica holding

@@ -105,3 +105,43 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RunnerCollector(Collector):
+    """The local runner's queue as Prometheus sees it, read from `Runner.stats()` at scrape time: jobs
+    waiting and running now (the dashboard's load panel), jobs admitted and their summed queue wait (rate
+    of one over the other: the mean wait), and jobs cancelled by their client. `stats` returns the
+    runner's stats object, or None when nothing is served locally (then nothing is exported)."""
+
+    def __init__(self, stats: Callable[[], object | None]):
+        self._stats = stats
+
+    def collect(self) -> Iterable:
+        snapshot = self._stats()
+        if snapshot is None:
+            return
+        gauges = (
+            ("attnstore_runner_queued_jobs", "Local jobs waiting in the runner's queue", "queued"),
+            ("attnstore_runner_running_jobs", "Local jobs running (prefilling or decoding)", "running"),
+        )
+        counters = (
+            ("attnstore_runner_admitted_jobs", "Local jobs taken from the queue", "admitted"),
+            (
+                "attnstore_runner_queue_wait_seconds",
+                "Queue wait of the admitted jobs, summed",
+                "queue_wait_seconds",
+            ),
+            (
+                "attnstore_runner_cancelled_jobs",
+                "Local jobs stopped because their client went away",
+                "cancelled",
+            ),
+        )
+        for name, doc, attr in gauges:
+            value = getattr(snapshot, attr, None)
+            if value is not None:
+                yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, attr in counters:
+            value = getattr(snapshot, attr, None)
+            if value is not None:
+                yield CounterMetricFamily(name, doc, value=value)
