@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
@@ -13,6 +12,7 @@ import pytest
 from tests.conftest import settings_dict
 from tests.servers import http_request
 from tests.support.threaded_server import free_port
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,15 +87,13 @@ def test_serve_starts_and_answers_healthz(tmp_path):
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
+
+        def healthz():
             assert proc.poll() is None, proc.stderr.read().decode()
-            try:
-                r = http_request("GET", f"http://127.0.0.1:{port}/healthz", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "proxy did not start"
-                time.sleep(0.2)
+            return http_request("GET", f"http://127.0.0.1:{port}/healthz", timeout=2)
+
+        wait_until(healthz, "the proxy answering", 60, interval=0.2, ignore=(OSError,))
+        r = healthz()
         assert r.status == 200 and r.json()["upstream"] == "http://127.0.0.1:9/v1"
         r = http_request(
             "POST", f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "m", "messages": []}
