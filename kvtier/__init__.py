@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .config import ChunkRef, PrefixMatch, StoreConfig
     from .layout import KVLayout
     from .pressure import available_memory_bytes
-    from .restore import KVLoadError, RestoredKV
+    from .restored_kv import KVLoadError, RestoredKV
     from .schedule import Schedule
     from .stats import StoreStats, TierStats
     from .store import KVStore
@@ -28,8 +28,8 @@ _EXPORTS: dict[str, str] = {
     "StoreConfig": ".config",
     "KVLayout": ".layout",
     "available_memory_bytes": ".pressure",
-    "KVLoadError": ".restore",
-    "RestoredKV": ".restore",
+    "KVLoadError": ".restored_kv",
+    "RestoredKV": ".restored_kv",
     "Schedule": ".schedule",
     "StoreStats": ".stats",
     "TierStats": ".stats",

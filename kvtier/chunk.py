@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,3 +81,25 @@ class ChunkKV:
         out = torch.empty_like(self.buf, device=device, pin_memory=pin and device.type == "cpu")
         out.copy_(self.buf)
         return ChunkKV(out)
+
+
+def copy_chunks(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    spans: dict[int, tuple[int, int]],
+    layout: KVLayout,
+    device: torch.device,
+) -> dict[int, ChunkKV]:
+    """The caller's K/V sliced into chunk buffers on `device`: one allocation per chunk, then every
+    layer's K and V slice copied in, layer by layer (each source tensor is read once, front to back)."""
+    chunks = {i: ChunkKV.empty(layout, e - s, device) for i, (s, e) in spans.items()}
+    dst_bytes = {i: c.host_bytes() for i, c in chunks.items()}
+    for li, (k, v) in enumerate(pairs):
+        for kv, src in enumerate((k, v)):
+            src_bytes = host_bytes(src)
+            for i, (s, e) in spans.items():
+                dst = dst_bytes[i]
+                if src_bytes is not None and dst is not None:
+                    np.copyto(dst[li, kv], src_bytes[:, s:e])
+                else:
+                    chunks[i].buf[li, kv].copy_(src[:, s:e])
+    return chunks

@@ -58,13 +58,14 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 
 
-def _host_tag() -> str:
+def host_tag() -> str:
+    """This host, as temp file names name it (a hash: host names stay out of shared folders)."""
     return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 # Who writes this process's temp files: `<host>-<pid>-<token>` (the token tells a restarted process that
 # got the same pid, as in a container, from its predecessor).
-_WRITER = f"{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+_WRITER = f"{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def _tmp_name(key: str) -> str:
@@ -87,7 +88,7 @@ def is_stale_tmp(name: str, age_s: float) -> bool:
     if age_s > STALE_TMP_SECONDS:
         return True
     writer = name[: -len(TMP_SUFFIX)].rsplit(".", 1)[-1].split("-")
-    if len(writer) != 3 or writer[0] != _host_tag() or not writer[1].isdigit():
+    if len(writer) != 3 or writer[0] != host_tag() or not writer[1].isdigit():
         return False  # another host's, or an older naming: the age rule only
     pid = int(writer[1])
     if pid == os.getpid():

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 
-from .tiers import TIERS, Tier
+from .policies import POLICIES
+from .tier_names import TIERS, Tier, tier_rank
 
 PLACEMENT_HINTS = ("ttft_priority", "throughput")
-EVICTION_POLICIES = ("lru",)  # within the scheduler's order (schedule.py): least recently used first
+EVICTION_POLICIES = tuple(POLICIES)  # each within the scheduler's order (schedule.py)
 L2_FORMATS = ("safetensors",)  # one safetensors file per chunk (chunk_format.py)
 
 
@@ -35,6 +36,9 @@ class StoreConfig:
     # Drop each L2 file from the OS page cache once it is durable, so reading it back is a disk read
     # (benchmarks of the disk tier; or to leave the page cache to other uses).
     drop_page_cache: bool = False
+    # After a full disk, saving pauses this long before it tries again (doubling while the disk stays
+    # full, up to a minute).
+    disk_full_backoff_s: float = 1.0
     l0_eviction: str = "lru"
     l1_eviction: str = "lru"
     l2_format: str = "safetensors"
@@ -51,7 +55,13 @@ class StoreConfig:
             raise ValueError(f"l2_format must be one of {', '.join(L2_FORMATS)}")
         if self.placement_hint not in PLACEMENT_HINTS:
             raise ValueError(f"placement_hint must be one of {', '.join(PLACEMENT_HINTS)}")
-        positive = ("chunk_tokens", "save_workers", "save_queue_chunks", "load_workers")
+        positive = (
+            "chunk_tokens",
+            "save_workers",
+            "save_queue_chunks",
+            "load_workers",
+            "disk_full_backoff_s",
+        )
         if any(getattr(self, name) <= 0 for name in positive):
             raise ValueError(f"{', '.join(positive)} must be positive")
 
@@ -77,7 +87,7 @@ class PrefixMatch:
         """The slowest tier among the chunks (the one a restore waits on); None when nothing matched."""
         if self.tokens == 0 or not self.chunks:
             return None
-        return max((c.tier for c in self.chunks), key=TIERS.index)
+        return max((c.tier for c in self.chunks), key=tier_rank)
 
     def tokens_by_tier(self) -> dict[Tier, int]:
         """Matched tokens per tier, every tier named (0 where none came from it)."""

@@ -1,32 +1,27 @@
 """The prefix index: chunk entries by key, children by parent key, and the longest-prefix walk.
 
-Pure bookkeeping, no I/O and no locking: the store holds its lock around every call.
+Pure bookkeeping, no I/O and no locking: the store holds its lock around every call. An entry says who
+a chunk is and what the store as a whole knows of it (pins, prefetch); where its bytes are is the
+tiers' business (tier.py: each tier keeps its own handle per key).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
-from .chunk import ChunkId, ChunkKV
-from .chunk_format import ChunkMeta
+from .chunk import ChunkId
 from .chunk_keys import chunk_key
-from .tiers import Tier
 
 
 @dataclass(eq=False)
 class Entry:
-    """One stored chunk (its identity) and where its bytes are right now. Mutated under the store lock."""
+    """One stored chunk. Written only by PrefixIndex (below), under the store's lock; others read."""
 
     chunk: ChunkId
     nbytes: int
-    data: ChunkKV | None = None  # the L0 or L1 copy (possibly still on its old device, see placement)
-    mem_tier: Tier | None = None  # "l0" | "l1" | None
-    pending: ChunkKV | None = None  # the copy an L2 save in flight holds
-    on_disk: bool = False
-    meta: ChunkMeta | None = None  # header of the L2 file (layer checksums) once written or adopted
-    pins: int = 0
-    removed: bool = field(default=False)
+    pins: int = 0  # jobs using it: never evicted nor superseded while > 0
+    removed: bool = False  # left the index (a later entry of the same key is another Entry)
     prefetched: bool = False  # brought up by a prefetch and not used by a job since
 
     @property
@@ -36,15 +31,6 @@ class Entry:
     @property
     def n_tokens(self) -> int:
         return self.chunk.n_tokens
-
-    @property
-    def usable(self) -> bool:
-        return self.data is not None or self.pending is not None or self.on_disk
-
-    @property
-    def tier(self) -> Tier:
-        """Where a load would read it from (a save in flight counts as L2: it is L2's write buffer)."""
-        return self.mem_tier if self.data is not None and self.mem_tier else "l2"
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -87,6 +73,31 @@ class PrefixIndex:
     def entries(self) -> Iterator[Entry]:
         return iter(list(self._entries.values()))
 
+    # ---- what the store knows of an entry ---------------------------------------------------------
+
+    @staticmethod
+    def pin(entries: Iterable[Entry]) -> list[Entry]:
+        """The one way to pin: a pinned entry is never evicted nor superseded until unpinned."""
+        pinned = list(entries)
+        for e in pinned:
+            e.pins += 1
+        return pinned
+
+    @staticmethod
+    def unpin(pinned: Iterable[Entry]) -> None:
+        for e in pinned:
+            e.pins -= 1
+
+    @staticmethod
+    def mark_prefetched(entry: Entry) -> None:
+        entry.prefetched = True
+
+    @staticmethod
+    def take_prefetched(entry: Entry) -> bool:
+        """Whether a prefetch brought the entry up and nothing used it since; clears that."""
+        was, entry.prefetched = entry.prefetched, False
+        return was
+
 
 @dataclass(frozen=True)
 class Step:
@@ -102,11 +113,13 @@ def longest_prefix(
     token_ids: Sequence[int],
     chunk_tokens: int,
     find: Callable[[str], Entry | None],
+    usable: Callable[[Entry], bool],
 ) -> list[Step]:
     """Walk full chunks by key (token ids verified on every hit), then take the stored child of the last
     matched chunk with the longest common token prefix with what is left, using only that many tokens.
 
-    `find` looks a key up, possibly adopting a file another process wrote (hence not index.get).
+    `find` looks a key up, possibly adopting a file another process wrote (hence not index.get);
+    `usable`: whether some tier (or a save in flight) holds the entry's bytes.
     """
     steps: list[Step] = []
     parent, pos, n = root, 0, len(token_ids)
@@ -115,7 +128,7 @@ def longest_prefix(
         entry = find(chunk_key(parent, toks))
         if (
             entry is None
-            or not entry.usable
+            or not usable(entry)
             or entry.chunk.token_ids != toks
             or entry.chunk.namespace != namespace
         ):
@@ -126,7 +139,7 @@ def longest_prefix(
         rest = token_ids[pos:]
         best, best_len = None, 0
         for child in index.children(parent):
-            if child.usable and child.chunk.namespace == namespace:
+            if usable(child) and child.chunk.namespace == namespace:
                 common = common_prefix_len(child.chunk.token_ids, rest)
                 if common > best_len:
                     best, best_len = child, common

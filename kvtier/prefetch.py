@@ -1,8 +1,8 @@
 """Prefetching: the scheduler's look-ahead brings a queued job's chunks up before the job runs.
 
-Chunks only on disk are read into host memory, and every chunk of the match goes into the fastest
-memory tier with room for it (L0 first), evicting only what the schedule allows (never a chunk a
-running or window job needs). It runs on a thread the store owns, never on the runner's thread.
+Chunks only in the persistent tier are read into host memory, and every chunk of the match goes into
+the fastest memory tier with room for it (L0 first), evicting only what the schedule allows (never a
+chunk a running or window job needs). It runs on a thread the store owns, never on the runner's thread.
 A prefetched chunk counts as used when a job's lookup matches it while it is still in memory, and as
 wasted when it leaves memory before that.
 """
@@ -13,20 +13,20 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from .chunk_files import chunk_path, read_chunk
 from .chunk_format import CorruptChunk
 from .config import PrefixMatch
+from .core import StoreCore
 from .loading import Loading
-from .placement import Copy
-from .state import StoreState
-from .tiers import MEMORY_TIERS
+from .memory_tier import Copy
+from .placement import Placement
 
 log = logging.getLogger(__name__)
 
 
 class Prefetching:
-    def __init__(self, state: StoreState, loading: Loading) -> None:
-        self._s = state
+    def __init__(self, core: StoreCore, placement: Placement, loading: Loading) -> None:
+        self._core = core
+        self._placement = placement
         self._loading = loading
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-prefetch")
         self._idle = threading.Condition()
@@ -40,8 +40,8 @@ class Prefetching:
         """Queue the match's chunks to be brought up. Never raises."""
         if not match.chunks:
             return
-        with self._s.lock:
-            self._s.counters.prefetch_issued += len(match.chunks)
+        with self._core.lock:
+            self._core.counters.prefetch_set_out(len(match.chunks))
         with self._idle:
             self._queued += 1
         try:
@@ -70,33 +70,34 @@ class Prefetching:
             self._done()
 
     def _bring_up(self, key: str) -> None:
-        s = self._s
-        with s.lock:
-            e = s.index.get(key)
+        core = self._core
+        with core.lock:
+            e = core.index.get(key)
             if e is None or e.removed:
                 return
-            if e.mem_tier == "l0":  # already where a job reads fastest
-                s.counters.prefetch_completed += 1
-                e.prefetched = True
+            tier = core.memory_tier_of(key)
+            if tier is core.memory[0]:  # already where a job reads fastest
+                core.counters.prefetch_placed()
+                core.index.mark_prefetched(e)
                 return
-            data = e.data
-            if data is None and (not e.on_disk or e.meta is None):
+            data = tier.read(key) if tier is not None else None
+            meta = core.backing.read(key)
+            if data is None and meta is None:
                 return  # a save in flight holds it: a load reads that buffer anyway
-            meta = e.meta
-            s.pin([e])
+            core.pin([e])
         try:
             if data is None:
                 assert meta is not None
                 try:
-                    data = read_chunk(chunk_path(s.root, key), meta, s.layout)
+                    data = core.backing.read_all(key, meta)
                 except (CorruptChunk, OSError) as err:
                     self._loading.on_bad_chunk(key, err)
                     return
             copies: list[Copy] = []
-            with s.lock:
-                if not e.removed and s.placement.place(e, data, copies, MEMORY_TIERS):
-                    s.counters.prefetch_completed += 1
-                    e.prefetched = True
-            s.move(copies)
+            with core.lock:
+                if not e.removed and self._placement.place(e, data, copies, core.memory):
+                    core.counters.prefetch_placed()
+                    core.index.mark_prefetched(e)
+            core.run_copies(copies)
         finally:
-            s.unpin([e])
+            core.unpin([e])

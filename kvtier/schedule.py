@@ -4,12 +4,17 @@ AttentionStore's scheduler-aware eviction: the serving queue is a forecast. Chun
 need, or that the jobs inside the look-ahead window will need, are not evicted until their job starts
 or is cancelled. Among the rest, chunks no queued job needs go first (least recently used first), then
 those of queued jobs from the back of the queue, so what is needed soonest stays longest.
+
+ScheduleAware is that order as an eviction policy wrapped around the configured one (which orders the
+unscheduled chunks, and each queued job's chunks among themselves).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+
+from .eviction import EvictionPolicy, Usage
 
 
 @dataclass(frozen=True)
@@ -35,13 +40,27 @@ class Schedule:
         return Schedule(frozenset(protected), {k: p for k, p in queued.items() if k not in protected})
 
 
-def eviction_order(lru_keys: Iterable[str], schedule: Schedule | None) -> list[str]:
-    """Candidates in the order they should go: without a schedule, least recently used first; with one,
-    unscheduled chunks (LRU first), then queued chunks from the back of the queue; protected never."""
-    keys = list(lru_keys)
+def eviction_order(keys_in_order: Iterable[str], schedule: Schedule | None) -> list[str]:
+    """Candidates (given in a policy's order, e.g. least recently used first) in the order they should
+    go: without a schedule, as given; with one, unscheduled chunks (in the given order), then queued
+    chunks from the back of the queue; protected ones never."""
+    keys = list(keys_in_order)
     if schedule is None:
         return keys
     free = [k for k in keys if k not in schedule.protected and k not in schedule.queued]
     queued = [k for k in keys if k in schedule.queued]
     queued.sort(key=lambda k: schedule.queued[k], reverse=True)  # stable: LRU among one job's chunks
     return free + queued
+
+
+class ScheduleAware:
+    """An eviction policy that follows the runner's queue: `inner` orders the candidates, then
+    eviction_order reorders them by the schedule (without one, `inner`'s order stands)."""
+
+    def __init__(self, inner: EvictionPolicy) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def order(self, candidates: Iterable[Usage], schedule: Schedule | None) -> Iterator[str]:
+        keys = self.inner.order(candidates, schedule)
+        return keys if schedule is None else iter(eviction_order(keys, schedule))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .tiers import TIERS
+from .tier_names import TIERS, Tier
 
 
 def _per_tier() -> dict[str, int]:
@@ -13,7 +13,8 @@ def _per_tier() -> dict[str, int]:
 
 @dataclass
 class Counters:
-    """Mutable counters, updated under the store's lock."""
+    """The store's counters. Changed only through the methods below, with the store's lock held;
+    read (for a snapshot) under the same lock."""
 
     hits: dict[str, int] = field(default_factory=_per_tier)  # per lookup, by the match's slowest tier
     chunk_hits: dict[str, int] = field(default_factory=_per_tier)  # per matched chunk, by its tier
@@ -28,6 +29,46 @@ class Counters:
     prefetch_completed: int = 0  # of those, placed in a memory tier
     prefetch_used: int = 0  # of those, matched by a job's lookup while still in memory
     prefetch_wasted: int = 0  # of those, evicted from memory before any job used them
+
+    def lookup(self, tier: Tier | None) -> None:
+        """A counted lookup: a hit of its slowest tier, or a miss (None)."""
+        if tier is None:
+            self.misses += 1
+        else:
+            self.hits[tier] += 1
+
+    def chunk_matched(self, tier: Tier, n_tokens: int) -> None:
+        self.chunk_hits[tier] += 1
+        self.reused_tokens[tier] += n_tokens
+
+    def load_failed(self) -> None:
+        """A load that cannot be served is a miss, and an error of its own."""
+        self.misses += 1
+        self.load_errors += 1
+
+    def loaded(self, nbytes: int) -> None:
+        self.bytes_loaded += nbytes
+
+    def saved(self, nbytes: int) -> None:
+        self.bytes_saved += nbytes
+
+    def save_failed(self) -> None:
+        self.save_errors += 1
+
+    def file_quarantined(self) -> None:
+        self.quarantined += 1
+
+    def prefetch_set_out(self, n_chunks: int) -> None:
+        self.prefetch_issued += n_chunks
+
+    def prefetch_placed(self) -> None:
+        self.prefetch_completed += 1
+
+    def prefetch_was_used(self) -> None:
+        self.prefetch_used += 1
+
+    def prefetch_was_wasted(self) -> None:
+        self.prefetch_wasted += 1
 
 
 @dataclass(frozen=True)

@@ -1,52 +1,67 @@
 """KVStore: the facade the runner uses. It answers lookups and takes puts itself, and hands the rest to
-one part per idea, all sharing one StoreState (index, budgets, counters) under one lock:
+one part per idea, around one StoreCore (core.py: the lock, the index, the ordered tiers, the counters):
 
-    placement.py  which tier holds what, demotion and eviction   adoption.py  L2 files: scan, adopt by key
-    saving.py     background L2 writes with back-pressure        loading.py   load and prefetch threads
+    tiers.py      the tiers (one backend each: memory_tier.py, file_tier.py), built from the config
+    placement.py  moves between tiers, demotion and eviction   adoption.py  stored chunks: scan, by key
+    lookup.py     longest stored prefix, chains of keys         saving.py    background writes
+    loading.py    load threads, promotion                       prefetch.py  the scheduler's look-ahead
 
-The invariants (stated in state.py): no budget above capacity, pinned entries never evicted, an entry
+The invariants (stated in core.py): no tier above capacity, pinned entries never evicted, an entry
 leaves the index when no tier holds it; tensor copies and disk I/O happen outside the lock.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
-import numpy as np
 import torch
 
-from .adoption import adopt_key, scan_folder
-from .chunk import ChunkId, ChunkKV, host_bytes
+from .adoption import Adoption
+from .chunk import ChunkId, copy_chunks
 from .chunk_keys import chain, chunk_spans, root_key
-from .config import ChunkRef, PrefixMatch, StoreConfig
-from .index import Entry, Step, longest_prefix
+from .config import PrefixMatch, StoreConfig
+from .core import StoreCore
+from .index import Entry
 from .layout import KVLayout, normalize_layers
 from .loading import Loading
-from .placement import Copy
+from .lookup import Lookups
+from .memory_tier import Copy
+from .placement import Placement
 from .prefetch import Prefetching
-from .restore import RestoredKV
-from .saving import Saving
+from .restored_kv import RestoredKV
+from .saving import Save, Saving
 from .schedule import Schedule
-from .state import StoreState
 from .stats import StoreStats, TierStats
-from .tiers import TIERS
+from .tier_names import Tier
+from .tiers import TierFactory, build_tiers
 
 
 class KVStore:
-    def __init__(self, config: StoreConfig, layout: KVLayout, model_fingerprint: str) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        layout: KVLayout,
+        model_fingerprint: str,
+        *,
+        tiers: Mapping[Tier, TierFactory] | None = None,
+    ) -> None:
+        """`tiers`: backends to use instead of the registered ones for some tiers (tiers.py)."""
         self.config = config
         self.layout = layout
         self.model_fingerprint = model_fingerprint
-        config.l2_path.mkdir(mode=0o700, parents=True, exist_ok=True)  # owner only: see chunk_files
-        self._s = StoreState(config, layout, model_fingerprint)
-        self.device = self._s.device
+        self._core = core = StoreCore(
+            config, layout, model_fingerprint, build_tiers(config, layout, model_fingerprint, tiers)
+        )
+        self.device = core.device
         self._closed = False
-        scan_folder(self._s)
-        self._loading = Loading(self._s)
-        self._prefetching = Prefetching(self._s, self._loading)
-        self._saving = Saving(self._s)
+        self._placement = Placement(core)
+        self._adoption = Adoption(core, self._placement)
+        self._adoption.scan()
+        self._lookups = Lookups(core, self._placement, self._adoption)
+        self._loading = Loading(core, self._placement)
+        self._prefetching = Prefetching(core, self._placement, self._loading)
+        self._saving = Saving(core, self._placement)
 
     # ---- keys -------------------------------------------------------------------------------------
 
@@ -60,21 +75,7 @@ class KVStore:
         """The token ids of a stored chain of chunk keys (a sequence as put() returned its keys), up to
         the first key that is missing, not this namespace's, or not the next link of the chain. Adopts
         files another replica wrote, as lookup() does with hint keys."""
-        s = self._s
-        tokens: list[int] = []
-        parent = self._root_key(namespace)
-        for key in keys:
-            with s.lock:
-                entry = s.index.get(key)
-            if entry is None and adopt_key(s, key):
-                with s.lock:
-                    entry = s.index.get(key)
-            chunk = entry.chunk if entry is not None and entry.usable else None
-            if chunk is None or chunk.namespace != namespace or chunk.parent != parent:
-                break
-            tokens.extend(chunk.token_ids)
-            parent = key
-        return tokens
+        return self._lookups.chain_tokens(self._root_key(namespace), namespace, keys)
 
     # ---- lookup and pinning -------------------------------------------------------------------------
 
@@ -88,60 +89,18 @@ class KVStore:
     ) -> PrefixMatch:
         """Longest stored prefix of token_ids for this namespace, adopting hinted/shared files first.
         `count=False`: a look-ahead (prefetch) that must not count as a hit or miss of its own."""
-        token_ids = list(token_ids)
-        s = self._s
-        for key in hint_keys:
-            with s.lock:
-                known = s.index.get(key) is not None
-            if not known:
-                adopt_key(s, key)
-        root, tried = self._root_key(namespace), set()
-        missing: list[str] = []
-
-        def find(key: str) -> Entry | None:
-            entry = s.index.get(key)
-            if entry is None and key not in tried:
-                missing.append(key)
-            return entry
-
-        while True:
-            missing.clear()
-            with s.lock:
-                steps = longest_prefix(s.index, root, namespace, token_ids, self.config.chunk_tokens, find)
-                if not missing:
-                    return self._finish_lookup(namespace, steps, count)
-            tried.add(missing[0])
-            adopt_key(s, missing[0])  # a file another replica may have written: one stat, outside the lock
-
-    def _finish_lookup(self, namespace: str, steps: list[Step], count: bool) -> PrefixMatch:
-        """With the lock held: the match, its chunks touched (recently used), and the hit counted."""
-        chunks = tuple(ChunkRef(st.entry.key, st.start, st.n_tokens, st.entry.tier) for st in steps)
-        match = PrefixMatch(namespace, sum(st.n_tokens for st in steps), chunks)
-        c = self._s.counters
-        for st in steps:
-            self._s.placement.touch(st.entry)
-            if count:
-                c.chunk_hits[st.entry.tier] += 1
-                c.reused_tokens[st.entry.tier] += st.n_tokens
-                if st.entry.prefetched and st.entry.data is not None:
-                    c.prefetch_used += 1
-                st.entry.prefetched = False
-        if count and match.tier is None:
-            c.misses += 1
-        elif count and match.tier is not None:
-            c.hits[match.tier] += 1
-        return match
+        return self._lookups.lookup(self._root_key(namespace), namespace, list(token_ids), hint_keys, count)
 
     @contextlib.contextmanager
     def acquire(self, match: PrefixMatch) -> Iterator[None]:
         """Pin the match's chunks (never evicted, never superseded) while a job uses them."""
-        s = self._s
-        with s.lock:
-            pinned = s.pin(e for e in (s.index.get(c.key) for c in match.chunks) if e is not None)
+        core = self._core
+        with core.lock:
+            pinned = core.pin(e for e in (core.index.get(c.key) for c in match.chunks) if e is not None)
         try:
             yield
         finally:
-            s.unpin(pinned)
+            core.unpin(pinned)
 
     # ---- load and prefetch -------------------------------------------------------------------------
 
@@ -168,17 +127,17 @@ class KVStore:
         """The machine runs short of memory: free up to `nbytes` of L1 then L0 by dropping the memory
         copies of chunks that are safe in L2 (pinned and schedule-protected chunks stay). Returns bytes
         freed (their tensors go as soon as no load is reading them)."""
-        with self._s.lock:
-            return self._s.placement.shed(nbytes)
+        with self._core.lock:
+            return self._placement.shed(nbytes)
 
     def shed_device_memory(self) -> int:
         """The device ran out of memory: move every evictable L0 chunk to L1 (or drop its memory copy
         when L1 has no room and it is on disk). Returns the bytes that left L0."""
-        s = self._s
+        core = self._core
         copies: list[Copy] = []
-        with s.lock:
-            freed = s.placement.demote_all("l0", copies)
-        s.move(copies)
+        with core.lock:
+            freed = self._placement.demote_all(core.memory[0], copies)
+        core.run_copies(copies)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed
@@ -188,9 +147,9 @@ class KVStore:
         return self._prefetching.wait_idle(timeout)
 
     def set_schedule(self, schedule: Schedule | None) -> None:
-        """The runner's queue as eviction sees it (schedule.py); None: plain LRU with pins."""
-        with self._s.lock:
-            self._s.placement.schedule = schedule
+        """The runner's queue as eviction sees it (schedule.py); None: each tier's own policy order."""
+        with self._core.lock:
+            self._core.schedule = schedule
 
     # ---- put ---------------------------------------------------------------------------------------
 
@@ -218,67 +177,70 @@ class KVStore:
             for i, (s, e) in enumerate(spans)
         ]
         result = list(keys)
-        s = self._s
-        with s.lock:
+        core = self._core
+        with core.lock:
             todo = [i for i, c in enumerate(chunks) if not self._have(c, result, i)]
         if not todo:
             return result
         data = copy_chunks(pairs, {i: spans[i] for i in todo}, self.layout, self.device)  # no lock held
-        saves: list[Entry] = []
-        deletes: list[Path] = []
+        saves: list[Save] = []
+        deletes: list[str] = []
         copies: list[Copy] = []
-        with s.lock:
+        with core.lock:
             for i in todo:
                 if self._have(chunks[i], result, i):
                     continue  # another thread stored it meanwhile
-                entry = Entry(chunks[i], s.nbytes(chunks[i].n_tokens))
-                s.index.add(entry)
+                entry = Entry(chunks[i], core.nbytes(chunks[i].n_tokens))
+                core.index.add(entry)
                 self._drop_superseded(entry, deletes)
-                s.placement.place(entry, data[i], copies, s.keep_tiers)
-                if self._saving.reserve(entry, data[i], deletes):
-                    saves.append(entry)
-                if not entry.usable:  # fits nowhere (everything pinned, or tiers disabled)
-                    s.index.remove(entry.key)
-        s.move(copies)
-        s.unlink(deletes)
+                self._placement.place(entry, data[i], copies, core.keep)
+                save = self._saving.reserve(entry, data[i], deletes)
+                if save is not None:
+                    saves.append(save)
+                if not core.usable(entry):  # fits nowhere (everything pinned, or tiers disabled)
+                    core.index.remove(entry.key)
+        core.run_copies(copies)
+        core.backing.delete(deletes)
         self._saving.submit(saves)  # blocks when the save queue is full: back-pressure
         return result
 
     def _have(self, chunk: ChunkId, result: list[str], i: int) -> bool:
         """With the lock held: is this chunk stored already? A partial chunk counts as stored when a
         longer stored sibling covers it (its key then replaces result[i])."""
-        entry = self._s.index.get(chunk.key)
-        if entry is not None and entry.usable and entry.chunk.token_ids == chunk.token_ids:
+        core = self._core
+        entry = core.index.get(chunk.key)
+        if entry is not None and core.usable(entry) and entry.chunk.token_ids == chunk.token_ids:
             return True
         toks = chunk.token_ids
         if len(toks) < self.config.chunk_tokens:
-            for sib in self._s.index.children(chunk.parent):
-                if sib.usable and sib.n_tokens > len(toks) and sib.chunk.token_ids[: len(toks)] == toks:
+            for sib in core.index.children(chunk.parent):
+                if core.usable(sib) and sib.n_tokens > len(toks) and sib.chunk.token_ids[: len(toks)] == toks:
                     result[i] = sib.key
                     return True
         return False
 
-    def _drop_superseded(self, entry: Entry, deletes: list[Path]) -> None:
+    def _drop_superseded(self, entry: Entry, deletes: list[str]) -> None:
         """With the lock held: a partial sibling whose tokens are a strict prefix of the new chunk's is
         now redundant."""
-        for sib in self._s.index.children(entry.chunk.parent):
+        for sib in self._core.index.children(entry.chunk.parent):
             if (
                 sib is not entry
                 and sib.pins == 0
                 and sib.n_tokens < entry.n_tokens
                 and entry.chunk.token_ids[: sib.n_tokens] == sib.chunk.token_ids
             ):
-                deletes.extend(self._s.placement.remove(sib))
+                deletes.extend(self._placement.remove(sib))
 
     # ---- forget, stats, lifecycle ------------------------------------------------------------------
 
     def _forget(self, pred: Callable[[ChunkId], bool]) -> int:
-        deletes: list[Path] = []
-        with self._s.lock:
-            victims = [e for e in self._s.index.entries() if pred(e.chunk)]
+        core = self._core
+        deletes: list[str] = []
+        with core.lock:
+            victims = [e for e in core.index.entries() if pred(e.chunk)]
             for e in victims:
-                deletes.extend(self._s.placement.remove(e))
-        self._s.unlink(deletes)
+                deletes.extend(self._placement.remove(e))
+        core.backing.delete(deletes)
         return len(victims)
 
     def forget_session(self, namespace: str, session: str) -> int:
@@ -289,15 +251,16 @@ class KVStore:
         return self._forget(lambda c: c.namespace == namespace)
 
     def stats(self) -> StoreStats:
-        with self._s.lock:
-            b, c = self._s.placement.budgets, self._s.counters
+        core = self._core
+        with core.lock:
+            c = core.counters
             return StoreStats(
-                tiers={t: TierStats(b[t].used, b[t].capacity, len(b[t])) for t in TIERS},
+                tiers={t.name: TierStats(t.used, t.capacity, len(t)) for t in core.tiers},
                 hits=dict(c.hits),
                 chunk_hits=dict(c.chunk_hits),
                 misses=c.misses,
-                evictions=sum(b[t].evictions for t in TIERS),
-                evictions_by_tier={t: b[t].evictions for t in TIERS},
+                evictions=sum(t.evictions for t in core.tiers),
+                evictions_by_tier={t.name: t.evictions for t in core.tiers},
                 bytes_loaded=c.bytes_loaded,
                 bytes_saved=c.bytes_saved,
                 saves_pending=self._saving.pending,
@@ -330,28 +293,6 @@ class KVStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def copy_chunks(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]],
-    spans: dict[int, tuple[int, int]],
-    layout: KVLayout,
-    device: torch.device,
-) -> dict[int, ChunkKV]:
-    """The caller's K/V sliced into chunk buffers on `device`: one allocation per chunk, then every
-    layer's K and V slice copied in, layer by layer (each source tensor is read once, front to back)."""
-    chunks = {i: ChunkKV.empty(layout, e - s, device) for i, (s, e) in spans.items()}
-    dst_bytes = {i: c.host_bytes() for i, c in chunks.items()}
-    for li, (k, v) in enumerate(pairs):
-        for kv, src in enumerate((k, v)):
-            src_bytes = host_bytes(src)
-            for i, (s, e) in spans.items():
-                dst = dst_bytes[i]
-                if src_bytes is not None and dst is not None:
-                    np.copyto(dst[li, kv], src_bytes[:, s:e])
-                else:
-                    chunks[i].buf[li, kv].copy_(src[:, s:e])
-    return chunks
 
 
 __all__ = ["KVStore"]

@@ -3,39 +3,30 @@ a killed process left, and owner-only L2 files."""
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 
-import kvtier.chunk_files as files_mod
-import kvtier.saving as saving_mod
 from kvtier import KVLoadError
-from kvtier.chunk_files import chunk_path
+from kvtier.chunk_files import TMP_SUFFIX, chunk_path, host_tag
 from tests.support.waiting import wait_until
-from tests.test_kvtier import CB, files, kv, make, quarantined, toks
+from tests.test_kvtier import CB, FullDiskTier, files, kv, make, own, quarantined, toks
 
 
-def test_saving_resumes_after_the_disk_is_freed(tmp_path, monkeypatch):
-    monkeypatch.setattr(saving_mod, "DISK_FULL_BACKOFF_S", 0.05)
-    real = saving_mod.write_chunk
-    full = {"on": True}
-
-    def maybe_full(*a, **kw):
-        if full["on"]:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(*a, **kw)
-
-    monkeypatch.setattr(saving_mod, "write_chunk", maybe_full)
-    s = make(tmp_path, async_save=True)
+def test_saving_resumes_after_the_disk_is_freed(tmp_path):
+    full = threading.Event()
+    full.set()
+    disk = {"l2": own(FullDiskTier, full=full)}
+    s = make(tmp_path, async_save=True, disk_full_backoff_s=0.05, tiers=disk)
     try:
         s.put("t", toks(8), kv(8))
         s.flush()
         assert s.stats().save_errors >= 1 and files(tmp_path) == []
-        full["on"] = False  # space freed
+        full.clear()  # space freed
         wait_until(lambda: s.stats().saving_enabled, "saving resumed after its back-off", timeout=10)
         s.put("t", toks(8, 100), kv(8, seed=1))
         s.flush()
@@ -81,14 +72,14 @@ def test_temp_file_of_a_killed_process_is_removed_at_start(tmp_path):
     # A process of this host that died (kill -9) mid-write: its pid is gone, the file is fresh.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
     dead_pid = int(dead.stdout)
-    host = files_mod._host_tag()
-    left = folder / f".{'ab' * 8}.1234abcd.{host}-{dead_pid}-deadbeef{files_mod.TMP_SUFFIX}"
+    host = host_tag()
+    left = folder / f".{'ab' * 8}.1234abcd.{host}-{dead_pid}-deadbeef{TMP_SUFFIX}"
     left.write_bytes(b"partial")
     # Our own pid but another token: a restarted container whose process got the same pid.
-    same_pid = folder / f".{'cd' * 8}.1234abcd.{host}-{os.getpid()}-0badf00d{files_mod.TMP_SUFFIX}"
+    same_pid = folder / f".{'cd' * 8}.1234abcd.{host}-{os.getpid()}-0badf00d{TMP_SUFFIX}"
     same_pid.write_bytes(b"partial")
     # Another host's write in progress (a replica sharing the folder): left alone while fresh.
-    foreign = folder / f".{'ef' * 8}.1234abcd.00000000-1-feedface{files_mod.TMP_SUFFIX}"
+    foreign = folder / f".{'ef' * 8}.1234abcd.00000000-1-feedface{TMP_SUFFIX}"
     foreign.write_bytes(b"partial")
     s2 = make(tmp_path)
     try:

@@ -6,16 +6,19 @@ import errno
 import json
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
-import kvtier.chunk_files as files_mod
-import kvtier.saving as saving_mod
 from kvtier import KVLayout, KVLoadError, KVStore, StoreConfig
+from kvtier.chunk import ChunkId, ChunkKV
 from kvtier.chunk_files import QUARANTINE, chunk_path
-from kvtier.save_pool import SavePool
+from kvtier.chunk_format import ChunkMeta
+from kvtier.file_tier import FileTier
+from kvtier.tier import TierBackend
+from kvtier.tiers import TierFactory
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 CHUNK = 4
@@ -32,10 +35,49 @@ def kv(n: int, layout: KVLayout = LAYOUT, seed: int = 0) -> list[tuple[torch.Ten
     ]
 
 
-def make(tmp_path: Path, l0=100 * CB, l1=100 * CB, l2=100 * CB, layout=LAYOUT, fp=FP, **kw) -> KVStore:
+def make(
+    tmp_path: Path, l0=100 * CB, l1=100 * CB, l2=100 * CB, layout=LAYOUT, fp=FP, tiers=None, **kw
+) -> KVStore:
     kw.setdefault("async_save", False)
     cfg = StoreConfig(l0, l1, l2, tmp_path / "l2", chunk_tokens=CHUNK, **kw)
-    return KVStore(cfg, layout, fp)
+    return KVStore(cfg, layout, fp, tiers=tiers)
+
+
+def own(tier_class: type[TierBackend], **attrs: object) -> TierFactory:
+    """A tier backend of the test's own class (built from the config as the registered one is), with
+    the given attributes set: the store's seam for another backend (tiers.py)."""
+
+    def build(config: StoreConfig, layout: KVLayout, model_fingerprint: str) -> TierBackend:
+        tier = tier_class.from_config(config, layout, model_fingerprint)
+        for name, value in attrs.items():
+            setattr(tier, name, value)
+        return tier
+
+    return build
+
+
+class FullDiskTier(FileTier):
+    """L2 on a disk that is full while `full` is set: every write fails with ENOSPC, as the OS says."""
+
+    full: threading.Event
+
+    def write(self, items: Sequence[tuple[ChunkId, ChunkKV]]) -> list[ChunkMeta | OSError]:
+        if self.full.is_set():
+            return [OSError(errno.ENOSPC, "No space left on device") for _ in items]
+        return super().write(items)
+
+
+class GatedFileTier(FileTier):
+    """L2 whose writes wait for `gate` once they have said so (`writing`): a test holds a save thread
+    inside its write."""
+
+    gate: threading.Event
+    writing: threading.Event
+
+    def write(self, items: Sequence[tuple[ChunkId, ChunkKV]]) -> list[ChunkMeta | OSError]:
+        self.writing.set()
+        self.gate.wait()
+        return super().write(items)
 
 
 def toks(n: int, base: int = 0) -> list[int]:
@@ -306,12 +348,13 @@ def test_foreign_model_files_are_left_alone(tmp_path):
 
 def test_crash_mid_write_leaves_nothing_readable(tmp_path, monkeypatch):
     s = make(tmp_path)
+    real_writev = os.writev
 
-    def partial_write(fd, parts):
-        os.write(fd, b"partial")
+    def partial_write(fd, buffers):
+        real_writev(fd, [b"partial"])
         raise KeyboardInterrupt  # dies mid-write, after the temp file was created
 
-    monkeypatch.setattr(files_mod, "_write_all", partial_write)
+    monkeypatch.setattr(os, "writev", partial_write)
     with pytest.raises(KeyboardInterrupt):
         s.put("t", toks(12), kv(12))  # three chunks in one batch: none may be left behind
     monkeypatch.undo()
@@ -324,13 +367,11 @@ def test_crash_mid_write_leaves_nothing_readable(tmp_path, monkeypatch):
     assert s2.stats().tiers["l2"].entries == 0 and s2.lookup("t", toks(4)).tokens == 0
 
 
-def test_disk_full_pauses_saving_but_serving_goes_on(tmp_path, monkeypatch, caplog):
-    def full(*a, **kw):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(saving_mod, "write_chunk", full)
-    monkeypatch.setattr(saving_mod, "DISK_FULL_BACKOFF_S", 60.0)  # paused for this whole test
-    s = make(tmp_path, async_save=True)
+def test_disk_full_pauses_saving_but_serving_goes_on(tmp_path, caplog):
+    full = threading.Event()
+    full.set()
+    # paused for this whole test
+    s = make(tmp_path, async_save=True, disk_full_backoff_s=60.0, tiers={"l2": own(FullDiskTier, full=full)})
     layers = kv(8)
     s.put("t", toks(8), layers)
     s.flush()
@@ -375,29 +416,17 @@ def test_stats_shape_is_json(tmp_path):
 # ---- saving in the background, concurrency ---------------------------------------------------------
 
 
-def test_bounded_save_queue_applies_back_pressure(tmp_path, monkeypatch):
-    gate = threading.Event()  # holds the only save worker inside its first write
-    hit_full_queue = threading.Event()
-    real_write, real_submit = saving_mod.write_chunk, SavePool.submit
-
-    def slow(*a, **kw):
-        gate.wait()
-        return real_write(*a, **kw)
-
-    def submit(pool, job):
-        if pool._queue.full():
-            hit_full_queue.set()  # put() is about to block here: that is the back-pressure
-        real_submit(pool, job)
-
-    monkeypatch.setattr(saving_mod, "write_chunk", slow)
-    monkeypatch.setattr(SavePool, "submit", submit)
-    s = make(tmp_path, async_save=True, save_queue_chunks=1, save_workers=1)
+def test_bounded_save_queue_applies_back_pressure(tmp_path):
+    gate, writing = threading.Event(), threading.Event()  # holds the only save worker inside its write
+    gated = own(GatedFileTier, gate=gate, writing=writing)
+    s = make(tmp_path, async_save=True, save_queue_chunks=1, save_workers=1, tiers={"l2": gated})
     t = threading.Thread(target=s.put, args=("t", toks(16), kv(16)))  # 4 chunks > 1 worker + 1 queued
     t.start()
     try:
-        assert hit_full_queue.wait(10)
-        assert t.is_alive()  # the worker is gated and the queue full: put() cannot have returned
+        assert writing.wait(10)
         assert s.stats().saves_pending == 4  # every chunk reserved its L2 place before queueing
+        t.join(0.1)
+        assert t.is_alive()  # the worker is gated and the queue full: put() cannot return
     finally:
         gate.set()
     t.join()

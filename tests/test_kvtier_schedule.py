@@ -139,12 +139,12 @@ def test_cuda_restore_copies_on_its_own_stream_with_one_event_per_layer(tmp_path
         rk, _ = restored.layer(i)  # the reader's stream waits on layer i's event
         assert rk.device.type == "cuda" and torch.equal(rk.cpu(), k[:, :, : match.tokens])
     restored.wait()
-    assert all(e is not None for e in restored._events)
+    assert all(restored.copy_event(i) is not None for i in range(len(layers)))
     store.close()
 
 
 @pytest.mark.parametrize(
-    ("key", "value"), [("l0_eviction", "lfu"), ("l1_eviction", "fifo"), ("l2_format", "npz")]
+    ("key", "value"), [("l0_eviction", "mru"), ("l1_eviction", "fifo"), ("l2_format", "npz")]
 )
 def test_a_policy_or_format_the_store_does_not_implement_is_refused(tmp_path, key, value):
     with pytest.raises(ValueError, match=key):

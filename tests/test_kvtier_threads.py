@@ -10,10 +10,13 @@ from typing import get_args
 import pytest
 import torch
 
-import kvtier.loading as loading_mod
 from kvtier import TIERS, KVLoadError, RestoredKV, Tier
 from kvtier.chunk import ChunkKV
-from tests.test_kvtier import CB, LAYOUT, kv, make, toks
+from kvtier.chunk_files import ChunkReader
+from kvtier.chunk_format import ChunkMeta
+from kvtier.file_tier import FileTier
+from kvtier.memory_tier import DeviceTier
+from tests.test_kvtier import CB, LAYOUT, kv, make, own, toks
 
 BOUND = 10  # seconds before a wait counts as a failure; a passing run never waits this long
 
@@ -22,22 +25,41 @@ def test_tier_names_are_one_type():
     assert TIERS == get_args(Tier) == ("l0", "l1", "l2")
 
 
-def test_close_waits_for_loads_in_flight(tmp_path, monkeypatch):
-    s = make(tmp_path, l0=0, l1=0)  # L2 only: the load reads the file
+class GatedReadTier(FileTier):
+    """L2 whose reads wait for `release` once they have said so (`entered`), noting the reading thread."""
+
+    entered: threading.Event
+    release: threading.Event
+    readers: list[threading.Thread]
+
+    def reader(self, key: str, meta: ChunkMeta) -> ChunkReader:
+        self.readers.append(threading.current_thread())
+        self.entered.set()
+        self.release.wait()
+        return super().reader(key, meta)
+
+
+class GatedCopyTier(DeviceTier):
+    """L0 whose first copy onto its device waits for `release` once it has said so (`entered`)."""
+
+    entered: threading.Event
+    release: threading.Event
+
+    def copy_in(self, data: ChunkKV) -> ChunkKV:
+        if not self.entered.is_set():
+            self.entered.set()
+            self.release.wait()
+        return super().copy_in(data)
+
+
+def test_close_waits_for_loads_in_flight(tmp_path):
+    entered, release = threading.Event(), threading.Event()
+    load_threads: list[threading.Thread] = []
+    gated = own(GatedReadTier, entered=entered, release=release, readers=load_threads)
+    s = make(tmp_path, l0=0, l1=0, tiers={"l2": gated})  # L2 only: the load reads the file
     layers = kv(8)
     s.put("t", toks(8), layers)
     m = s.lookup("t", toks(8))
-    entered, release = threading.Event(), threading.Event()
-    load_threads: list[threading.Thread] = []
-    real = loading_mod.run_load
-
-    def gated(*a, **kw):
-        load_threads.append(threading.current_thread())
-        entered.set()
-        release.wait()
-        return real(*a, **kw)
-
-    monkeypatch.setattr(loading_mod, "run_load", gated)
     r = s.load(m)
     assert entered.wait(BOUND)
     closer = threading.Thread(target=s.close)
@@ -54,26 +76,19 @@ def test_close_waits_for_loads_in_flight(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("when", ["put", "promote"])
-def test_copies_run_without_the_store_lock(tmp_path, monkeypatch, when):
+def test_copies_run_without_the_store_lock(tmp_path, when):
     """While a chunk is copied to its tier's device (put, or promotion after a load from L2), stats()
     and lookup() still answer: the copy does not hold the lock."""
     layers = kv(8)
-    s = make(tmp_path, l0=100 * CB, l1=0)
-    if when == "promote":
-        s.put("t", toks(8), layers)
-        s.close()
-        s = make(tmp_path, l0=100 * CB, l1=0)  # restarted: the chunks are in L2 only
-        assert s.lookup("t", toks(8)).tier == "l2"
     entered, release = threading.Event(), threading.Event()
-    real_to = ChunkKV.to
-
-    def gated_to(self, device, *, pin=False):
-        if not entered.is_set():
-            entered.set()
-            release.wait()
-        return real_to(self, device, pin=pin)
-
-    monkeypatch.setattr(ChunkKV, "to", gated_to)
+    gated = {"l0": own(GatedCopyTier, entered=entered, release=release)}
+    if when == "promote":
+        writer = make(tmp_path, l0=100 * CB, l1=0)
+        writer.put("t", toks(8), layers)
+        writer.close()
+    s = make(tmp_path, l0=100 * CB, l1=0, tiers=gated)  # promote: restarted, the chunks are in L2 only
+    if when == "promote":
+        assert s.lookup("t", toks(8)).tier == "l2"
 
     def work() -> None:
         if when == "put":

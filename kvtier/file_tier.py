@@ -1,0 +1,102 @@
+"""L2: one safetensors file per chunk under a folder, local or shared by replicas (chunk_files.py
+does the file I/O, chunk_format.py says what a file must hold)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from .chunk import ChunkId, ChunkKV
+from .chunk_files import (
+    ChunkReader,
+    chunk_path,
+    make_dirs,
+    quarantine,
+    read_chunk,
+    read_header,
+    scan,
+    write_chunks,
+)
+from .chunk_format import ChunkMeta, CorruptChunk, ForeignChunk
+from .config import StoreConfig
+from .eviction import EvictionPolicy
+from .layout import KVLayout
+from .persistent_tier import PersistentTier
+from .policies import make_policy
+from .tier_names import Tier
+
+
+class FileTier(PersistentTier):
+    """Chunk files under `root` (created owner-only). `drop_page_cache`: once a file is durable, its
+    pages leave the OS page cache, so reading it back is a disk read."""
+
+    def __init__(
+        self,
+        name: Tier,
+        capacity_bytes: int,
+        policy: EvictionPolicy,
+        root: Path,
+        layout: KVLayout,
+        model_fingerprint: str,
+        drop_page_cache: bool = False,
+    ) -> None:
+        super().__init__(name, capacity_bytes, policy)
+        self.root = Path(root)
+        self.layout = layout
+        self.model_fingerprint = model_fingerprint
+        self.drop_page_cache = drop_page_cache
+        make_dirs(self.root)
+
+    @classmethod
+    def from_config(cls, config: StoreConfig, layout: KVLayout, model_fingerprint: str) -> FileTier:
+        policy = make_policy("lru")  # L2 has no eviction setting: least recently used files go
+        return cls(
+            "l2",
+            config.l2_capacity_bytes,
+            policy,
+            config.l2_path,
+            layout,
+            model_fingerprint,
+            config.drop_page_cache,
+        )
+
+    def path(self, key: str) -> Path:
+        return chunk_path(self.root, key)
+
+    def write(self, items: Sequence[tuple[ChunkId, ChunkKV]]) -> list[ChunkMeta | OSError]:
+        return write_chunks(self.root, list(items), self.model_fingerprint, self.layout, self.drop_page_cache)
+
+    def reader(self, key: str, meta: ChunkMeta) -> ChunkReader:
+        return ChunkReader(self.path(key), meta, self.layout)
+
+    def read_all(self, key: str, meta: ChunkMeta) -> ChunkKV:
+        return read_chunk(self.path(key), meta, self.layout)
+
+    def find(self, key: str) -> ChunkMeta | CorruptChunk | None:
+        path = self.path(key)
+        return self._header(path) if path.exists() else None  # one stat when there is none
+
+    def scan(self) -> Iterator[ChunkMeta | CorruptChunk]:
+        for path, _mtime in scan(self.root):
+            found = self._header(path)
+            if found is not None:
+                yield found
+
+    def delete(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                self.path(key).unlink()
+
+    def quarantine(self, key: str, reason: str) -> None:
+        quarantine(self.root, self.path(key), reason)
+
+    def _header(self, path: Path) -> ChunkMeta | CorruptChunk | None:
+        """A file's header, None (another model's, or gone), or why it was quarantined."""
+        try:
+            return read_header(path, self.model_fingerprint, self.layout)
+        except (ForeignChunk, FileNotFoundError):
+            return None
+        except CorruptChunk as e:
+            quarantine(self.root, path, str(e))
+            return e
