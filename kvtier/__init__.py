@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import ChunkRef, PrefixMatch, StoreConfig
     from .layout import KVLayout
-    from .pressure import available_memory_bytes
+    from .pressure import available_device_memory_bytes, available_memory_bytes
     from .restored_kv import KVLoadError, RestoredKV
     from .schedule import Schedule
     from .stats import StoreStats, TierStats
@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "PrefixMatch": ".config",
     "StoreConfig": ".config",
     "KVLayout": ".layout",
+    "available_device_memory_bytes": ".pressure",
     "available_memory_bytes": ".pressure",
     "KVLoadError": ".restored_kv",
     "RestoredKV": ".restored_kv",
@@ -53,6 +54,7 @@ __all__ = [
     "StoreStats",
     "Tier",
     "TierStats",
+    "available_device_memory_bytes",
     "available_memory_bytes",
 ]
 

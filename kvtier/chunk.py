@@ -44,21 +44,26 @@ class ChunkKV:
 
     One buffer means one allocation and one free per chunk, and the L2 file's tensor bytes are exactly
     this buffer's bytes (k.0, v.0, k.1, v.1, ...), so a save is one write and a layer's checksum one pass.
+
+    `written`: on CUDA, the event recorded on the stream that filled the buffer, after its copies. The
+    copies may still be running on the device when the store already holds the chunk, so whoever reads
+    the buffer on another stream (a restore's copy stream, a demotion) waits on it first.
     """
 
-    __slots__ = ("buf",)
+    __slots__ = ("buf", "written")
 
-    def __init__(self, buf: torch.Tensor) -> None:
+    def __init__(self, buf: torch.Tensor, written: torch.cuda.Event | None = None) -> None:
         if buf.dim() != 5 or buf.shape[1] != 2 or not buf.is_contiguous():
             raise ValueError(
                 f"ChunkKV needs a contiguous [layers, 2, heads, n, dim] buffer, got {tuple(buf.shape)}"
             )
         self.buf = buf
+        self.written = written
 
     @classmethod
     def empty(cls, layout: KVLayout, n_tokens: int, device: torch.device, *, pin: bool = False) -> ChunkKV:
-        shape = (layout.num_layers, 2, layout.num_kv_heads, n_tokens, layout.head_dim)
-        return cls(torch.empty(shape, dtype=layout.dtype, device=device, pin_memory=pin))
+        """A host buffer to fill from the CPU (a disk read); see chunk_buffer for device buffers."""
+        return cls(chunk_buffer(layout, n_tokens, device, pin=pin))
 
     @property
     def n_tokens(self) -> int:
@@ -75,12 +80,29 @@ class ChunkKV:
         return self.buf.numel() * self.buf.element_size()
 
     def to(self, device: torch.device, *, pin: bool = False) -> ChunkKV:
-        """Copy to `device` (no copy if already there); pinned host memory when asked and possible."""
+        """Copy to `device` (no copy if already there); pinned host memory when asked and possible.
+        Runs on the current stream, after the copies that wrote this buffer (`written`)."""
         if self.buf.device == device:
             return self
+        if self.written is not None:
+            torch.cuda.current_stream(self.buf.device).wait_event(self.written)
         out = torch.empty_like(self.buf, device=device, pin_memory=pin and device.type == "cpu")
         out.copy_(self.buf)
-        return ChunkKV(out)
+        return ChunkKV(out, record_written(device))
+
+
+def chunk_buffer(layout: KVLayout, n_tokens: int, device: torch.device, *, pin: bool = False) -> torch.Tensor:
+    shape = (layout.num_layers, 2, layout.num_kv_heads, n_tokens, layout.head_dim)
+    return torch.empty(shape, dtype=layout.dtype, device=device, pin_memory=pin)
+
+
+def record_written(device: torch.device) -> torch.cuda.Event | None:
+    """On CUDA, an event on the current stream after the copies enqueued so far; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def copy_chunks(
@@ -90,9 +112,10 @@ def copy_chunks(
     device: torch.device,
 ) -> dict[int, ChunkKV]:
     """The caller's K/V sliced into chunk buffers on `device`: one allocation per chunk, then every
-    layer's K and V slice copied in, layer by layer (each source tensor is read once, front to back)."""
-    chunks = {i: ChunkKV.empty(layout, e - s, device) for i, (s, e) in spans.items()}
-    dst_bytes = {i: c.host_bytes() for i, c in chunks.items()}
+    layer's K and V slice copied in, layer by layer (each source tensor is read once, front to back).
+    On CUDA the copies run on the caller's current stream; each chunk carries the event after them."""
+    bufs = {i: chunk_buffer(layout, e - s, device) for i, (s, e) in spans.items()}
+    dst_bytes = {i: host_bytes(b) for i, b in bufs.items()}
     for li, (k, v) in enumerate(pairs):
         for kv, src in enumerate((k, v)):
             src_bytes = host_bytes(src)
@@ -101,5 +124,6 @@ def copy_chunks(
                 if src_bytes is not None and dst is not None:
                     np.copyto(dst[li, kv], src_bytes[:, s:e])
                 else:
-                    chunks[i].buf[li, kv].copy_(src[:, s:e])
-    return chunks
+                    bufs[i][li, kv].copy_(src[:, s:e])
+    written = record_written(device)
+    return {i: ChunkKV(b, written) for i, b in bufs.items()}

@@ -66,6 +66,15 @@ class StoreConfig:
             raise ValueError(f"{', '.join(positive)} must be positive")
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The device with its index ("cuda" -> "cuda:<current>"), so that it compares equal to the device
+    of the tensors on it (a buffer already on L0's device is then never copied again)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 @dataclass(frozen=True)
 class ChunkRef:
     """One chunk of a match: its key, where it starts, how many of its tokens are used, its tier."""

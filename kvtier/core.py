@@ -17,10 +17,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-import torch
-
 from .chunk import ChunkKV
-from .config import StoreConfig
+from .config import StoreConfig, resolve_device
 from .index import Entry, PrefixIndex
 from .layout import KVLayout
 from .memory_tier import Copy, MemoryTier
@@ -38,7 +36,7 @@ class StoreCore:
         self.config = config
         self.layout = layout
         self.model_fingerprint = model_fingerprint
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         self.pin_host = self.device.type == "cuda"  # pinned host buffers only help copies to CUDA
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)

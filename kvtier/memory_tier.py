@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .chunk import ChunkKV
-from .config import StoreConfig
+from .config import StoreConfig, resolve_device
 from .eviction import EvictionPolicy
 from .layout import KVLayout
 from .policies import make_policy
@@ -77,7 +77,7 @@ class DeviceTier(MemoryTier):
     @classmethod
     def from_config(cls, config: StoreConfig, layout: KVLayout, model_fingerprint: str) -> DeviceTier:
         return cls(
-            "l0", config.l0_capacity_bytes, make_policy(config.l0_eviction), torch.device(config.device)
+            "l0", config.l0_capacity_bytes, make_policy(config.l0_eviction), resolve_device(config.device)
         )
 
 

@@ -67,13 +67,47 @@ def run_load(
         # On CUDA the host-to-device copies run on a stream of their own, one event per layer, so layer
         # i+1 copies while the model computes layer i on its stream (the paper's layer-wise pre-loading).
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            _fill_layers(plan, restored, layout, readers, srcs, src_bytes, stream)
+        try:
+            if stream is not None:
+                _order_copy_stream(stream, restored, layout, srcs)
+            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+            with ctx:
+                _fill_layers(plan, restored, layout, readers, srcs, src_bytes, stream)
+        finally:
+            if stream is not None:
+                # The load settles only once its copies are done on the device, failed or not: `ready`
+                # then means the targets are no longer written and every source may be freed.
+                stream.synchronize()
     finally:
         for r in readers.values():
             r.close()
     return from_disk
+
+
+def _order_copy_stream(
+    stream: torch.cuda.Stream, restored: RestoredKV, layout: KVLayout, srcs: list[ChunkKV | None]
+) -> None:
+    """Make the copy stream safe to use before the first copy is queued on it.
+
+    It waits on the caller's stream as the load began (the targets are free to write) and on every
+    source buffer's producer (`written`: an L0 chunk still being filled on the runner's stream). Every
+    device buffer it touches is recorded as in use by it, so the caching allocator hands that memory to
+    no one else until the copies are done, even if a cancelled job drops its targets or the store
+    evicts a source meanwhile.
+    """
+    if restored.targets_free is not None:
+        stream.wait_event(restored.targets_free)
+    for src in srcs:
+        if src is None:
+            continue
+        if src.written is not None:
+            stream.wait_event(src.written)
+        if src.buf.is_cuda:
+            src.buf.record_stream(stream)
+    for i in range(layout.num_layers):
+        for t in restored.target(i):
+            if t.is_cuda:
+                t.record_stream(stream)
 
 
 def _fill_layers(

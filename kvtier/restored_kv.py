@@ -61,6 +61,13 @@ class RestoredKV:
                 )
                 for _ in range(n)
             ]
+        # On CUDA: the caller's stream as the load begins. The loader's copy stream waits on it before it
+        # writes the targets: fresh ones are that stream's allocations (their memory may still be read by
+        # work queued there before), and the caller's own may still be in use by its earlier work.
+        self.targets_free: torch.cuda.Event | None = None
+        if device.type == "cuda" and num_tokens > 0:
+            self.targets_free = torch.cuda.Event()
+            self.targets_free.record(torch.cuda.current_stream(device))
         if num_tokens == 0:
             for i in range(n):
                 self.mark_loaded(i)

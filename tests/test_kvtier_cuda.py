@@ -1,0 +1,97 @@
+"""kvtier on CUDA: restores and demotions read a chunk only after the stream that wrote it, a load
+settles once its copies are done on the device, and the device's free memory is readable. Every test
+but the first needs a GPU (skipped elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier import available_device_memory_bytes
+from tests.test_kvtier import CB, CHUNK, kv, make, toks
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+BUSY_CYCLES = 500_000_000  # a kernel of roughly a quarter second: the writer's stream is still busy
+
+
+def test_device_memory_is_not_asked_of_a_cpu_device():
+    assert available_device_memory_bytes("cpu") is None
+
+
+def _put_from_a_busy_stream(store, layers) -> None:
+    """Store `layers` from a side stream whose earlier work is still running: the chunks' copies into
+    L0 are queued behind it, so their bytes arrive well after put() returns."""
+    side = torch.cuda.Stream()
+    device_layers = [(k.cuda(), v.cuda()) for k, v in layers]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(BUSY_CYCLES)
+        store.put("t", toks(2 * CHUNK), device_layers)
+    assert not side.query()  # the copies are still queued: the race is on
+
+
+@cuda
+def test_a_restore_reads_l0_chunks_only_after_the_stream_that_wrote_them(tmp_path):
+    layers = kv(2 * CHUNK, seed=11)
+    store = make(tmp_path, l0=8 * CB, l1=0, l2=0, device="cuda")  # L0 only: put never waits for a disk
+    _put_from_a_busy_stream(store, layers)
+    match = store.lookup("t", toks(2 * CHUNK))
+    assert match.tier == "l0"
+    restored = store.load(match)
+    for i, (k, v) in enumerate(layers):
+        rk, rv = restored.layer(i)
+        assert torch.equal(rk.cpu(), k) and torch.equal(rv.cpu(), v)
+    restored.wait()
+    store.close()
+
+
+@cuda
+def test_a_demotion_copies_an_l0_chunk_only_after_the_stream_that_wrote_it(tmp_path):
+    layers = kv(2 * CHUNK, seed=12)
+    store = make(tmp_path, l0=8 * CB, l1=8 * CB, l2=0, device="cuda")
+    _put_from_a_busy_stream(store, layers)
+    assert store.shed_device_memory() == 2 * CB  # L0 -> L1 at once, while the writer is still busy
+    match = store.lookup("t", toks(2 * CHUNK))
+    assert match.tier == "l1"
+    restored = store.load(match)
+    for i, (k, v) in enumerate(layers):
+        rk, rv = restored.layer(i)
+        assert torch.equal(rk.cpu(), k) and torch.equal(rv.cpu(), v)
+    restored.wait()
+    store.close()
+
+
+@cuda
+@pytest.mark.parametrize("into", ["own", "caller"])
+def test_a_settled_restore_has_finished_its_copies(tmp_path, into):
+    """`ready` means the targets are no longer written: a cancelled job may hand its slot to another."""
+    layers = kv(4 * CHUNK, seed=13)
+    store = make(tmp_path, l0=0, l1=8 * CB, l2=8 * CB, device="cuda")
+    store.put("t", toks(4 * CHUNK), layers)
+    match = store.lookup("t", toks(4 * CHUNK))
+    out = None
+    if into == "caller":
+        shape = (1, layers[0][0].shape[1], 4 * CHUNK, layers[0][0].shape[3])
+        out = [(torch.empty(shape, device="cuda"), torch.empty(shape, device="cuda")) for _ in layers]
+    restored = store.load(match, out=out)
+    assert restored.wait_ready(30)
+    events = [restored.copy_event(i) for i in range(len(layers))]
+    assert all(e is not None and e.query() for e in events)
+    for i, (k, _) in enumerate(layers):
+        assert torch.equal(restored.layer(i)[0].cpu(), k)
+    store.close()
+
+
+@cuda
+def test_device_memory_falls_by_what_is_held():
+    device = torch.device("cuda")
+    before = available_device_memory_bytes(device)
+    assert (
+        before is not None and 0 < before <= torch.cuda.mem_get_info(device)[1] + torch.cuda.memory_reserved()
+    )
+    held = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    after = available_device_memory_bytes(device)
+    assert after is not None and before - after >= 0.9 * held.numel()
+    del held
+    freed = available_device_memory_bytes(device)
+    assert freed is not None and freed - after >= 0.9 * (256 << 20)  # the allocator's cache counts as free
