@@ -1,5 +1,5 @@
 """L2: one safetensors file per chunk under a folder, local or shared by replicas (chunk_files.py
-does the file I/O, chunk_format.py says what a file must hold)."""
+does the file I/O, chunk_folder.py the folder's layout, chunk_format.py says what a file must hold)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .chunk import ChunkId, ChunkKV
-from .chunk_files import (
-    ChunkReader,
-    chunk_path,
-    make_dirs,
-    quarantine,
-    read_chunk,
-    read_header,
-    scan,
-    write_chunks,
-)
+from .chunk_files import ChunkReader, read_chunk, read_header, write_chunks
+from .chunk_folder import chunk_path, make_dirs, quarantine, scan
 from .chunk_format import ChunkMeta, CorruptChunk, ForeignChunk
 from .config import StoreConfig
 from .eviction import EvictionPolicy

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from kvtier import KVLoadError
-from kvtier.chunk_files import TMP_SUFFIX, chunk_path, host_tag
+from kvtier.chunk_folder import TMP_SUFFIX, chunk_path, host_tag
 from tests.support.waiting import wait_until
 from tests.test_kvtier import CB, FullDiskTier, files, kv, make, own, quarantined, toks
 

@@ -14,7 +14,7 @@ import torch
 
 from kvtier import KVLayout, KVLoadError, KVStore, StoreConfig
 from kvtier.chunk import ChunkId, ChunkKV
-from kvtier.chunk_files import QUARANTINE, chunk_path
+from kvtier.chunk_folder import QUARANTINE, chunk_path
 from kvtier.chunk_format import ChunkMeta
 from kvtier.file_tier import FileTier
 from kvtier.tier import TierBackend
