@@ -82,6 +82,10 @@ class StoreCore:
     def nbytes(self, n_tokens: int) -> int:
         return n_tokens * self.layout.bytes_per_token
 
+    def set_schedule(self, schedule: Schedule | None) -> None:
+        with self.lock:
+            self.schedule = schedule
+
     # ---- pins ---------------------------------------------------------------------------------------
 
     def pin(self, entries: Iterable[Entry]) -> list[Entry]:

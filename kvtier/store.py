@@ -148,8 +148,7 @@ class KVStore:
 
     def set_schedule(self, schedule: Schedule | None) -> None:
         """The runner's queue as eviction sees it (schedule.py); None: each tier's own policy order."""
-        with self._core.lock:
-            self._core.schedule = schedule
+        self._core.set_schedule(schedule)
 
     # ---- put ---------------------------------------------------------------------------------------
 
