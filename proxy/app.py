@@ -1,20 +1,19 @@
-"""Assemble the aiohttp application: settings, the shared HTTP client, middleware and routes."""
+"""Assemble the aiohttp application: settings, the app's resources (each opened and closed in a
+cleanup_ctx), the middleware and the routes."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 
-from .backend import LocalBackend, RequestContext
-from .chat_request import ChatRequest
-from .errors import APIError
+from .backend import LocalBackend
 from .forwarding import install_forwarding
-from .keys import HTTP_CLIENT, LOCAL_BACKEND, LOCAL_RUNNER, METRICS, SESSION_INDEX, SETTINGS
+from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
 from .metrics import Metrics, RunnerCollector
 from .middleware import error_middleware
 from .routes_chat import chat_completions
@@ -23,10 +22,13 @@ from .routes_store import forget_session, metrics, stats, store_stats
 from .server_log import install_bad_request_log
 from .session_index import MemorySessionIndex, SessionIndex, open_session_index
 from .settings import Settings
-from .upstream import forward_chat
+from .upstream import upstream_fallback
 
 if TYPE_CHECKING:  # torch and transformers load only when the local runner is enabled
     from local_runner.loader import LoadedModel
+
+# Builds the local backend when the app starts (its worker and save threads start then, on the app's loop).
+LocalBuilder = Callable[[], LocalBackend]
 
 
 async def _http_client(app: web.Application) -> AsyncIterator[None]:
@@ -43,23 +45,37 @@ async def _http_client(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-async def _close_local(app: web.Application) -> None:
-    """Stop the runner's worker and let pending L2 writes finish, so a restart finds every chunk."""
-    runner = app[LOCAL_RUNNER]
-    if runner is not None:
-        await asyncio.to_thread(runner.close)
-    pool = getattr(app[LOCAL_BACKEND], "tokenize_pool", None)
-    if pool is not None:
-        pool.shutdown(wait=False, cancel_futures=True)
-    await app[SESSION_INDEX].close()
+async def _session_index(app: web.Application) -> AsyncIterator[None]:
+    """Closed after local serving (which records into it) and the heartbeat (which withdraws from it)."""
+    try:
+        yield
+    finally:
+        await app[SESSION_INDEX].close()
+
+
+def _local_serving(build: LocalBuilder | None) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def local_serving(app: web.Application) -> AsyncIterator[None]:
+        """The one seam into local serving, built as the app starts; when it stops, closed off the loop:
+        the runner's worker, the stores' pending L2 writes (finished, so a restart finds every chunk),
+        the tokenize pool."""
+        backend = build() if build is not None else None
+        app[LOCAL_BACKEND] = backend
+        try:
+            yield
+        finally:
+            if backend is not None:
+                await asyncio.to_thread(backend.close)
+
+    return local_serving
 
 
 def build_app(
     settings: Settings,
     *,
-    local_backend: LocalBackend | None = None,
+    local: LocalBuilder | None = None,
     index: SessionIndex | None = None,
 ) -> web.Application:
+    """The proxy with `local` (called once the app starts) as its local backend, or none: all upstream."""
     install_bad_request_log()
     app = web.Application(
         client_max_size=int(settings.proxy.max_body_mb * 1024 * 1024),
@@ -69,14 +85,14 @@ def build_app(
         handler_args={"keepalive_timeout": settings.proxy.keepalive_timeout_s, "lingering_time": 2.0},
     )
     app[SETTINGS] = settings
-    app[LOCAL_BACKEND] = local_backend
-    app[LOCAL_RUNNER] = None
+    app[LOCAL_BACKEND] = None  # until the app starts
     app[SESSION_INDEX] = index or MemorySessionIndex()
     # Read at scrape time, on the thread that renders the metrics (never on the event loop).
-    app[METRICS] = Metrics(lambda: store_stats(app[LOCAL_RUNNER]))
-    app[METRICS].registry.register(RunnerCollector(lambda: r.stats() if (r := app[LOCAL_RUNNER]) else None))
+    app[METRICS] = Metrics(lambda: store_stats(app[LOCAL_BACKEND]))
+    app[METRICS].registry.register(RunnerCollector(lambda: b.stats() if (b := app[LOCAL_BACKEND]) else None))
     app.cleanup_ctx.append(_http_client)
-    app.on_cleanup.append(_close_local)
+    app.cleanup_ctx.append(_session_index)
+    app.cleanup_ctx.append(_local_serving(local))
     # With an advertise_url and a Redis index: the heartbeat, and turns forwarded to the replica holding
     # their KV. Otherwise nothing.
     install_forwarding(app, settings, app[SESSION_INDEX])
@@ -96,23 +112,16 @@ def build_full_app(
     base_dir: Path | None = None,
 ) -> web.Application:
     """The proxy as `attnstore serve` runs it: the session index from settings and, when the local
-    runner is enabled, its models (loaded here unless given), KV stores and backend."""
-    app = build_app(settings, index=open_session_index(settings.proxy.session_index))
-    if settings.local_runner.enabled:
-        from .local.build import build_local_backend, load_models
+    runner is enabled, its models (loaded here, before the server listens, unless given) served by a
+    backend built when the app starts."""
+    index = open_session_index(settings.proxy.session_index)
+    if not settings.local_runner.enabled:
+        return build_app(settings, index=index)
+    from .local.build import build_local_backend, load_models
 
-        models = models if models is not None else load_models(settings, base_dir)
-        backend = build_local_backend(
-            settings, app[SESSION_INDEX], app[METRICS], models, overflow=_overflow, base_dir=base_dir
-        )
-        app[LOCAL_BACKEND] = backend
-        app[LOCAL_RUNNER] = backend.runner
-    return app
+    loaded = models if models is not None else load_models(settings, base_dir)
 
+    def local() -> LocalBackend:
+        return build_local_backend(settings, index, loaded, overflow=upstream_fallback, base_dir=base_dir)
 
-async def _overflow(request: web.Request, chat: ChatRequest, ctx: RequestContext) -> web.StreamResponse:
-    """The local queue is full: the upstream takes the turn when it serves the same model."""
-    settings = request.app[SETTINGS]
-    if settings.llm_endpoint.base_url and settings.llm_endpoint.model == chat.model:
-        return await forward_chat(request, chat, ctx, settings, request.app[HTTP_CLIENT])
-    raise APIError(503, "The local queue is full; retry later.", code="queue_full")
+    return build_app(settings, local=local, index=index)

@@ -1,34 +1,60 @@
-"""The seam between the proxy and local serving.
+"""The one seam between the proxy and local serving: `LocalBackend`.
 
-The chat handler builds a `RequestContext`, asks `routing.choose_route`, and for a local route calls
-`app[LOCAL_BACKEND].handle(request, chat, ctx)`. The backend sets the X-AttentionStore-* headers itself
-with `proxy.headers.store_headers(...)` and logs its turn with `proxy.access_log.log_turn(...)`.
+The app holds one under `keys.LOCAL_BACKEND` (None: everything goes upstream), built when the app starts
+and closed when it stops (`app.local_serving`, a cleanup_ctx). The chat handler asks it whether it
+`supports` a request, then lets it `handle` a local turn, reporting its outcome through the `Turn`. The
+other endpoints ask it for its load, stats and description, and to forget a session.
+
+`proxy.local.LocalChatBackend` is the real one (it runs turns on `local_runner`); tests put stand-ins here.
+A stand-in may subclass this protocol to inherit the answers of a backend that holds nothing (no load, no
+stats, nothing to close). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
 from .chat_request import ChatRequest
+from .turn import Turn
+
+if TYPE_CHECKING:  # torch loads only when the local runner is enabled
+    from local_runner.runner import RunnerStats
 
 
-@dataclass(slots=True)
-class RequestContext:
-    received_at: float  # time.monotonic() when the request arrived (TTFT is measured from here)
-    tenant: str  # short hash of the bearer key, or "anonymous"
-    session: str  # resolved session id (body field, X-Session-Id, or prefix fingerprint)
-    turn: int  # user messages before the last one
-
-
-@runtime_checkable
 class LocalBackend(Protocol):
     def supports(self, chat: ChatRequest) -> str | None:
         """None when this request can be served locally, else the reason it cannot (goes upstream)."""
+        ...
 
-    async def handle(
-        self, request: web.Request, chat: ChatRequest, ctx: RequestContext
-    ) -> web.StreamResponse:
-        """Serve the request locally: set headers, stream or return the completion, log the turn."""
+    async def handle(self, request: web.Request, chat: ChatRequest, turn: Turn) -> web.StreamResponse:
+        """Serve the request locally: report the first token to `turn` (`turn.local_first_token`), send
+        `turn.headers()` with the answer, `turn.finish(...)` when the answer is complete. Raise
+        `APIError` for an error answer (the middleware tags and finishes it)."""
+        ...
+
+    def load(self) -> int:
+        """Jobs queued or running (the heartbeat announces it; forwarding weighs it)."""
+        return 0
+
+    def max_context_tokens(self) -> int:
+        """The longest prompt any local model takes, in tokens (0: unknown, no body limit from it)."""
+        return 0
+
+    def describe(self) -> dict[str, Any]:
+        """Per local model, what /healthz shows (device, dtype, batching)."""
+        return {}
+
+    def stats(self) -> RunnerStats | None:
+        """The runner's and its KV stores' counters. Blocking (it takes the stores' locks)."""
+        return None
+
+    def forget_session(self, tenant: str, session: str) -> int:
+        """Drop this tenant's session from every tier; the number of chunks dropped. Blocking."""
+        return 0
+
+    def close(self) -> None:
+        """Stop serving: the runner's worker, the stores' pending L2 writes (finished, so a restart finds
+        every chunk), any thread pools. Blocking; called once, off the event loop, when the app stops."""
+        return None

@@ -24,28 +24,24 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
-from .backend import RequestContext
 from .chat_request import ChatRequest
-from .headers import TTFT
-from .keys import HTTP_CLIENT, LOCAL_RUNNER, METRICS
+from .header_filter import inbound_headers, outbound_headers
+from .headers import FORWARDED_BY
+from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS
 from .session_index import ReplicaInfo, SessionIndex, SessionRecord
 from .settings import Settings, replica_id
-from .upstream import HOP_BY_HOP, response_headers
+from .turn import Turn
 
 log = logging.getLogger("attnstore.forwarding")
-
-FORWARDED_BY = "X-AttentionStore-Forwarded-By"
 # Tiers a replica holds in memory (kvtier's MEMORY_TIERS; importing kvtier here would load torch).
 MEMORY_TIERS = ("l0", "l1")
 # A replica is taken for dead once it missed this many heartbeats.
 MISSED_BEATS = 3
-_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length"}
 
 
 def forward_target(
@@ -66,15 +62,6 @@ def forward_target(
     return owner.url.rstrip("/")
 
 
-def forward_headers(client: Mapping[str, str], me: str) -> CIMultiDict[str]:
-    """The client's headers as they came (minus hop-by-hop ones), marked as forwarded by `me`."""
-    tokens = {t.strip().lower() for t in client.get("Connection", "").split(",") if t.strip()}
-    drop = _DROP_REQUEST | tokens
-    out: CIMultiDict[str] = CIMultiDict((k, v) for k, v in client.items() if k.lower() not in drop)
-    out[FORWARDED_BY] = me
-    return out
-
-
 class Forwarder:
     def __init__(
         self,
@@ -85,6 +72,7 @@ class Forwarder:
     ):
         p = settings.proxy
         self.on_outcome = on_outcome  # "forwarded" | "served_here", once per attempt
+        self.settings = settings
         self.me = replica_id(settings)
         self.url = p.advertise_url.rstrip("/")
         self.index = index
@@ -123,60 +111,57 @@ class Forwarder:
     # -- one turn -------------------------------------------------------------------------------------
 
     async def try_forward(
-        self, request: web.Request, chat: ChatRequest, ctx: RequestContext
+        self, request: web.Request, chat: ChatRequest, turn: Turn
     ) -> web.StreamResponse | None:
         """The owner's answer when this turn belongs there, else None (serve it here)."""
         if FORWARDED_BY in request.headers:
             return None  # one hop at most
-        record = await self.index.get(ctx.tenant, ctx.session)
+        record = await self.index.get(turn.tenant, turn.session)
         if record is None or record.replica == self.me or record.tier not in MEMORY_TIERS:
             return None
         owner = await self.index.replica(record.replica)
         url = forward_target(record, owner, me=self.me, own_load=self.load(), max_gap=self.max_gap)
         if url is None:
             return None
-        response = await self._forward(request, chat, ctx, url + request.raw_path, record.replica)
+        response = await self._forward(request, chat, turn, url + request.raw_path, record.replica)
         if response is None:
             self.on_outcome("served_here")
         return response
 
     async def _forward(
-        self, request: web.Request, chat: ChatRequest, ctx: RequestContext, url: str, owner: str
+        self, request: web.Request, chat: ChatRequest, turn: Turn, url: str, owner: str
     ) -> web.StreamResponse | None:
         http = request.app[HTTP_CLIENT]
         sent_at = time.monotonic()
         try:
-            resp = await http.post(
-                url, data=chat.raw, headers=forward_headers(request.headers, self.me), timeout=self.timeout
-            )
+            headers = outbound_headers(request.headers, self.settings, "replica")
+            resp = await http.post(url, data=chat.raw, headers=headers, timeout=self.timeout)
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
             log.warning(
                 "session=%s: replica %s did not take the turn (%s); serving it here",
-                ctx.session,
+                turn.session,
                 owner,
                 type(exc).__name__,
             )
             return None
         try:
             if resp.status == 503:  # the owner's queue is full: this replica can still serve it
-                log.info("session=%s: replica %s is full; serving the turn here", ctx.session, owner)
+                log.info("session=%s: replica %s is full; serving the turn here", turn.session, owner)
                 return None
             try:
                 first = await resp.content.readany()
             except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
                 log.warning(
                     "session=%s: replica %s failed before answering (%s); serving the turn here",
-                    ctx.session,
+                    turn.session,
                     owner,
                     type(exc).__name__,
                 )
                 return None
-            headers = response_headers(resp.headers)
-            with contextlib.suppress(KeyError, ValueError):
-                hop_ms = (sent_at - ctx.received_at) * 1000.0
-                headers[TTFT] = f"{float(resp.headers[TTFT]) + hop_ms:.2f}"
-            log.debug("session=%s turn=%d forwarded to %s", ctx.session, ctx.turn, owner)
-            out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=headers)
+            answer_headers = inbound_headers(resp.headers)
+            turn.forwarded(answer_headers, sent_at)
+            log.debug("session=%s turn=%d forwarded to %s", turn.session, turn.turn, owner)
+            out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=answer_headers)
             await out.prepare(request)
             self.on_outcome("forwarded")  # counted before the client can see the answer
             if first:
@@ -208,8 +193,8 @@ def install_forwarding(app: web.Application, settings: Settings, index: SessionI
         return None
 
     def load() -> int:
-        runner = app[LOCAL_RUNNER]
-        return runner.queue_depth + runner.running if runner is not None else 0
+        backend = app[LOCAL_BACKEND]
+        return backend.load() if backend is not None else 0
 
     forwarded = app[METRICS].forwarded
     forwarder = Forwarder(settings, index, load, lambda outcome: forwarded.labels(outcome).inc())

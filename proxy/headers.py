@@ -1,4 +1,6 @@
-"""The X-AttentionStore-* response headers every chat completion carries (local or upstream)."""
+"""The X-AttentionStore-* headers: the names, and the values every chat completion carries (local or upstream).
+
+`proxy.turn.Turn` is what sets them on an answer; `store_headers` only formats them."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ TTFT = "X-AttentionStore-TTFT-Ms"
 TIERS = "X-AttentionStore-Tiers"
 POSITION_SHIFT = "X-AttentionStore-Position-Shift"
 REPLICA = "X-AttentionStore-Replica"
+# On a turn one replica forwards to another (one hop at most: a request carrying it is served where it lands).
+FORWARDED_BY = "X-AttentionStore-Forwarded-By"
 TIER_NAMES = ("l0", "l1", "l2")
 
 

@@ -1,5 +1,6 @@
-"""Cheap limits that run before any expensive work: who may call, how many local requests one client
-has in flight, and whether a prompt can possibly fit the model's context before it is tokenized.
+"""Cheap limits that run before any expensive work: where the proxy may listen without client keys, how big
+a body may be and how long it may take to arrive, and whether a prompt can possibly fit the model's
+context before it is tokenized.
 
 The prompt bound. Tokenizing is the first expensive step of a local turn (a 10 MB body is ~30 s of CPU),
 so a prompt that cannot fit is refused by counting characters first. A model's tokens decode to at most
@@ -16,13 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
 
 from .errors import APIError
-from .tenant import ANONYMOUS, tenant_of
 
 _SYSTEM = ("system", "developer")
 
@@ -107,18 +107,13 @@ BODY_BYTES_PER_CONTEXT_TOKEN = 64
 BODY_OVERHEAD_BYTES = 64 * 1024
 
 
-def refuse_oversized_local_body(request: web.Request) -> None:
-    """A proxy without an upstream serves local models only: a body larger than any of their contexts
-    can hold (by Content-Length) is refused before a byte of it is read or parsed (413), so a client
-    sending huge bodies costs the event loop no more than a small request does."""
-    from .keys import LOCAL_RUNNER, SETTINGS
-
-    if request.app[SETTINGS].llm_endpoint.base_url or request.content_length is None:
+def refuse_oversized_local_body(request: web.Request, context: int) -> None:
+    """For a proxy without an upstream, which serves local models only: a body larger than any of their
+    contexts (`context` tokens, the longest; 0: unknown) can hold, by Content-Length, is refused before a
+    byte of it is read or parsed (413), so a client sending huge bodies costs the event loop no more than
+    a small request does."""
+    if request.content_length is None or context <= 0:
         return
-    runner = request.app.get(LOCAL_RUNNER)
-    if runner is None or not runner.models:
-        return
-    context = max(runner.context_limit(m) for m in runner.models)
     limit = context * BODY_BYTES_PER_CONTEXT_TOKEN + BODY_OVERHEAD_BYTES
     if request.content_length > limit:
         raise APIError(
@@ -142,52 +137,6 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
             code="request_timeout",
             headers={"Connection": "close"},
         ) from None
-
-
-# ---- who is calling, and how many local requests they have in flight --------------------------------
-
-
-def client_id(request: web.Request) -> str:
-    """The tenant (a hash of the key), or the remote address for a caller without a key."""
-    tenant = tenant_of(request.headers)
-    return tenant if tenant != ANONYMOUS else f"addr:{request.remote or '?'}"
-
-
-class ClientLimiter:
-    """At most `limit` requests in flight per client (0: no limit). Used on the event loop only."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._in_flight: dict[str, int] = {}
-
-    def acquire(self, client: str) -> Callable[[], None]:
-        """Count one more request of `client` and return its release, or raise a 429."""
-        n = self._in_flight.get(client, 0)
-        if self.limit and n >= self.limit:
-            raise APIError(
-                429,
-                f"Too many concurrent requests from this client (at most {self.limit} served locally "
-                "at once); retry when one has finished.",
-                code="too_many_concurrent_requests",
-            )
-        self._in_flight[client] = n + 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if released:
-                return
-            released = True
-            left = self._in_flight.get(client, 1) - 1
-            if left > 0:
-                self._in_flight[client] = left
-            else:
-                self._in_flight.pop(client, None)
-
-        return release
-
-    def in_flight(self, client: str) -> int:
-        return self._in_flight.get(client, 0)
 
 
 def is_loopback(host: str) -> bool:

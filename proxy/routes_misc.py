@@ -10,9 +10,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from .keys import HTTP_CLIENT, LOCAL_BACKEND, LOCAL_RUNNER, SETTINGS
+from .header_filter import outbound_headers
+from .keys import HTTP_CLIENT, LOCAL_BACKEND, SETTINGS
 from .settings import replica_id
-from .upstream import request_headers, upstream_url
+from .upstream import upstream_url
 
 log = logging.getLogger("attnstore")
 
@@ -22,9 +23,7 @@ async def _upstream_models(request: web.Request) -> list[dict[str, Any]]:
     if not settings.llm_endpoint.base_url:
         return []
     url = upstream_url(settings.llm_endpoint.base_url, "/v1/models")
-    headers = request_headers(
-        request.headers, settings.upstream_api_key, keep_client_key=not settings.proxy.api_keys
-    )
+    headers = outbound_headers(request.headers, settings, "upstream")
     timeout = aiohttp.ClientTimeout(total=settings.proxy.models_timeout_s)
     try:
         async with request.app[HTTP_CLIENT].get(url, headers=headers, timeout=timeout) as resp:
@@ -60,14 +59,14 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def healthz(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
+    backend = request.app[LOCAL_BACKEND]
     status: dict[str, object] = {
         "status": "ok",
         "replica": replica_id(settings),
         "upstream": settings.llm_endpoint.base_url or None,
         "local_models": list(settings.local_runner.models) if settings.local_runner.enabled else [],
-        "local_backend": request.app[LOCAL_BACKEND] is not None,
+        "local_backend": backend is not None,
     }
-    runner = request.app[LOCAL_RUNNER]
-    if runner is not None:
-        status["local"] = runner.describe()
+    if backend is not None:
+        status["local"] = backend.describe()
     return web.Response(body=orjson.dumps(status), content_type="application/json")

@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
+from .backend import LocalBackend
 from .errors import APIError
-from .keys import LOCAL_RUNNER, METRICS, SESSION_INDEX, SETTINGS
-from .tenant import check_client_auth, is_admin, tenant_of
+from .keys import LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
+from .tenant import is_admin, tenant_of
 
 if TYPE_CHECKING:  # torch loads only when the local runner is enabled
-    from local_runner.runner import Runner, RunnerStats
+    from local_runner.runner import RunnerStats
 
 
 def _sum_stats(per_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -34,15 +35,15 @@ def _per_model(snapshot: RunnerStats | None) -> dict[str, dict[str, Any]]:
     return {name: s.to_dict() for name, s in snapshot.stores.items()} if snapshot else {}
 
 
-def store_stats(runner: Runner | None) -> dict[str, dict[str, Any]]:
+def store_stats(backend: LocalBackend | None) -> dict[str, dict[str, Any]]:
     """Every model's store stats as JSON-able dicts. Blocking (it takes the stores' locks): call it off
     the event loop."""
-    return _per_model(runner.stats() if runner else None)
+    return _per_model(backend.stats() if backend else None)
 
 
 def _admin(request: web.Request) -> bool:
+    """Whether the caller (authenticated by the middleware already) sees every tenant."""
     proxy = request.app[SETTINGS].proxy
-    check_client_auth(request.headers, proxy.api_keys, proxy.admin_keys)
     return is_admin(request.headers, proxy.api_keys, proxy.admin_keys)
 
 
@@ -57,8 +58,8 @@ async def stats(request: web.Request) -> web.Response:
             "tenant": tenant_of(request.headers),
         }
         return web.Response(body=orjson.dumps(body), content_type="application/json")
-    runner = request.app[LOCAL_RUNNER]
-    snapshot = await asyncio.to_thread(runner.stats) if runner else None
+    backend = request.app[LOCAL_BACKEND]
+    snapshot = await asyncio.to_thread(backend.stats) if backend else None
     per_model = _per_model(snapshot)
     body = {
         "enabled": settings.attention_store.enabled,
@@ -83,14 +84,12 @@ async def stats(request: web.Request) -> web.Response:
 
 async def forget_session(request: web.Request) -> web.Response:
     """Drop the caller's session (this tenant only) from every tier and from the session index."""
-    settings = request.app[SETTINGS]
-    check_client_auth(request.headers, settings.proxy.api_keys, settings.proxy.admin_keys)
     session = request.match_info["session_id"]
     tenant = tenant_of(request.headers)
-    runner = request.app[LOCAL_RUNNER]
+    backend = request.app[LOCAL_BACKEND]
     index = request.app[SESSION_INDEX]
     known = await index.get(tenant, session) is not None
-    dropped = await asyncio.to_thread(runner.forget_session, tenant, session) if runner else 0
+    dropped = await asyncio.to_thread(backend.forget_session, tenant, session) if backend else 0
     await index.forget(tenant, session)
     # deleted: whether this tenant had anything under that session (an unknown one answers false).
     deleted = known or dropped > 0

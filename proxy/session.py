@@ -17,6 +17,11 @@ SESSION_HEADER = "X-Session-Id"
 _VALID = re.compile(r"^[\x21-\x7e]{1,128}$")  # visible ASCII: safe to echo in a response header
 
 
+def is_valid_session_id(value: object) -> bool:
+    """1-128 visible ASCII characters: safe to echo in a response header and in the log line."""
+    return isinstance(value, str) and _VALID.match(value) is not None
+
+
 def prefix_fingerprint(model: str, messages: list[Any]) -> str:
     """Short hex hash of model + messages up to and including the first user message."""
     end = len(messages)
@@ -37,6 +42,6 @@ def resolve_session(body: dict[str, Any], headers: Mapping[str, str], session_ke
         param = SESSION_HEADER
     if given is None:
         return prefix_fingerprint(str(body.get("model", "")), body.get("messages") or [])
-    if not isinstance(given, str) or not _VALID.match(given):
+    if not isinstance(given, str) or not is_valid_session_id(given):
         raise bad_request(f"'{param}' must be a string of 1-128 visible ASCII characters.", param=param)
     return given

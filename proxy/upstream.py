@@ -1,4 +1,5 @@
-"""Forward a request to `llm_endpoint.base_url`: headers and body through, the answer back chunk by chunk.
+"""Forward a chat turn to `llm_endpoint.base_url`: headers (through `header_filter`) and body, the answer
+back chunk by chunk. The turn's outcome (headers, log line, metrics) is the `Turn`'s.
 
 Bytes are never re-encoded: the client session is created with auto_decompress=False, so a compressed
 answer reaches the client exactly as the upstream sent it, Content-Encoding included.
@@ -10,39 +11,18 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Mapping
 
 import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 from yarl import URL
 
-from .access_log import log_turn
-from .backend import RequestContext
 from .chat_request import ChatRequest
-from .errors import APIError, error_body, error_response
-from .headers import TTFT, store_headers
-from .session import SESSION_HEADER
-from .settings import Settings, replica_id
-
-HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "Proxy-Connection",
-        "TE",
-        "Trailer",
-        "Trailers",
-        "Transfer-Encoding",
-        "Upgrade",
-    )
-)
-_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", SESSION_HEADER.lower()}
-_DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
+from .errors import APIError, error_body
+from .header_filter import inbound_headers, outbound_headers
+from .keys import HTTP_CLIENT, SETTINGS
+from .settings import Settings
+from .turn import Turn
 
 
 @functools.lru_cache(maxsize=256)
@@ -57,29 +37,6 @@ def upstream_url(base_url: str, path: str) -> str:
     if base.endswith("/v1") and (path == "/v1" or path.startswith("/v1/")):
         path = path[3:]
     return base + path
-
-
-def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
-    return {t.strip().lower() for t in headers.get("Connection", "").split(",") if t.strip()}
-
-
-def request_headers(
-    client_headers: Mapping[str, str], upstream_key: str | None, *, keep_client_key: bool = True
-) -> CIMultiDict[str]:
-    """The client's headers for the upstream. The upstream key, when configured, replaces the client's;
-    a key that only authenticates the client to this proxy (`keep_client_key=False`) never leaves it."""
-    drop = _DROP_REQUEST | _connection_tokens(client_headers)
-    if not keep_client_key:
-        drop = drop | {"authorization"}
-    out: CIMultiDict[str] = CIMultiDict((k, v) for k, v in client_headers.items() if k.lower() not in drop)
-    if upstream_key:
-        out["Authorization"] = f"Bearer {upstream_key}"
-    return out
-
-
-def response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
-    drop = _DROP_RESPONSE | _connection_tokens(upstream)
-    return CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in drop)
 
 
 def request_timeout(settings: Settings) -> aiohttp.ClientTimeout:
@@ -120,32 +77,22 @@ def prompt_tokens_from_sse_tail(tail: bytes) -> int:
     return 0
 
 
-async def forward_chat(
-    request: web.Request,
-    chat: ChatRequest,
-    ctx: RequestContext,
-    settings: Settings,
-    http: aiohttp.ClientSession,
-) -> web.StreamResponse:
+async def upstream_fallback(request: web.Request, chat: ChatRequest, turn: Turn) -> web.StreamResponse:
+    """The local queue is full: the upstream takes the turn when it serves the same model, else 503."""
+    settings = request.app[SETTINGS]
+    if settings.llm_endpoint.base_url and settings.llm_endpoint.model == chat.model:
+        return await forward_chat(request, chat, turn)
+    raise APIError(503, "The local queue is full; retry later.", code="queue_full")
+
+
+async def forward_chat(request: web.Request, chat: ChatRequest, turn: Turn) -> web.StreamResponse:
+    """The upstream's answer, streamed through as it arrives. A failure before the answer began is an
+    APIError (502, 504: the middleware answers it); after, the stream ends with an error event."""
+    settings = request.app[SETTINGS]
+    turn.serve_upstream()
     url = upstream_yarl(settings.llm_endpoint.base_url, request.raw_path)
-    p = settings.proxy
-    headers = request_headers(
-        request.headers, settings.upstream_api_key, keep_client_key=not (p.api_keys or p.admin_keys)
-    )
+    headers = outbound_headers(request.headers, settings, "upstream")
     headers.setdefault("Content-Type", "application/json")
-
-    def tagged(ttft_ms: float) -> dict[str, str]:
-        return store_headers(
-            cache="bypass",
-            route="upstream",
-            reused=0,
-            session=ctx.session,
-            ttft_ms=ttft_ms,
-            replica=replica_id(settings),
-        )
-
-    def elapsed_ms() -> float:
-        return (time.monotonic() - ctx.received_at) * 1000.0
 
     # The first byte (headers and the first body chunk) must come within upstream_first_byte_timeout_s;
     # after it, each chunk within upstream_idle_timeout_s (and upstream_timeout_s, the socket's limit).
@@ -157,36 +104,34 @@ async def forward_chat(
 
     try:
         resp = await asyncio.wait_for(
-            http.post(url, data=chat.upstream_bytes(), headers=headers, timeout=request_timeout(settings)),
+            request.app[HTTP_CLIENT].post(
+                url, data=chat.upstream_bytes(), headers=headers, timeout=request_timeout(settings)
+            ),
             first_byte_left(),
         )
     except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
-        return _failed(ctx, 504, "The upstream did not answer in time.", tagged(elapsed_ms()))
+        raise APIError(504, "The upstream did not answer in time.") from None
     except aiohttp.ClientError as exc:
-        return _failed(ctx, 502, f"Cannot reach the upstream: {type(exc).__name__}.", tagged(elapsed_ms()))
+        raise APIError(502, f"Cannot reach the upstream: {type(exc).__name__}.") from None
 
     try:
-        out_headers = response_headers(resp.headers)
+        out_headers = inbound_headers(resp.headers)
         encoded = "Content-Encoding" in resp.headers
         is_sse = resp.content_type == "text/event-stream"
         if chat.stream and 200 <= resp.status < 300 and not is_sse:
             # An HTML page or a JSON body where a stream was asked for: never an empty stream.
-            resp.close()
-            return _failed(
-                ctx,
+            raise APIError(
                 502,
-                f"The upstream answered a streamed request with {resp.content_type!r}, "
-                "not text/event-stream.",
-                tagged(elapsed_ms()),
+                f"The upstream answered a streamed request with {resp.content_type!r}, not text/event-stream.",
             )
         try:
             first = await asyncio.wait_for(resp.content.readany(), first_byte_left())
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
-            return _failed(ctx, 504, "The upstream did not answer in time.", tagged(elapsed_ms()))
+            raise APIError(504, "The upstream did not answer in time.") from None
         except aiohttp.ClientError as exc:
-            return _failed(ctx, 502, f"The upstream failed: {type(exc).__name__}.", tagged(elapsed_ms()))
-        ttft_ms = elapsed_ms()
-        out_headers.update(tagged(ttft_ms))
+            raise APIError(502, f"The upstream failed: {type(exc).__name__}.") from None
+        turn.upstream_first_byte()
+        out_headers.update(turn.headers())
 
         if not is_sse:
             chunks = [first]
@@ -194,12 +139,9 @@ async def forward_chat(
                 async for chunk in resp.content.iter_any():
                     chunks.append(chunk)
             except (asyncio.TimeoutError, aiohttp.ClientError):
-                return _failed(ctx, 502, "The upstream's answer was cut short.", tagged(ttft_ms))
+                raise APIError(502, "The upstream's answer was cut short.") from None
             body = b"".join(chunks)
-            prompt = 0 if encoded or resp.status >= 400 else prompt_tokens_from_json(body)
-            log_turn(
-                session=ctx.session, turn=ctx.turn, cache="bypass", reused=0, prompt=prompt, ttft_ms=ttft_ms
-            )
+            turn.finish(prompt=0 if encoded or resp.status >= 400 else prompt_tokens_from_json(body))
             return web.Response(status=resp.status, reason=resp.reason, body=body, headers=out_headers)
 
         stream = web.StreamResponse(status=resp.status, reason=resp.reason, headers=out_headers)
@@ -234,23 +176,14 @@ async def forward_chat(
                 request.transport.close()
             return stream
         finally:
-            # One line per request, also when the client or the upstream went away mid-stream.
-            prompt = prompt_tokens_from_sse_tail(tail) if track else 0
-            log_turn(
-                session=ctx.session, turn=ctx.turn, cache="bypass", reused=0, prompt=prompt, ttft_ms=ttft_ms
-            )
+            # Its usage, when the stream carried it, also when the client or the upstream went away.
+            turn.finish(prompt=prompt_tokens_from_sse_tail(tail) if track else 0)
         await stream.write_eof()
         return stream
     except BaseException:
-        # Client gone (write failed or handler cancelled) or anything else: drop the upstream connection
-        # so the upstream stops generating for nobody.
+        # An error answer, the client gone (write failed or handler cancelled) or anything else: drop the
+        # upstream connection so the upstream stops generating for nobody.
         resp.close()
         raise
     finally:
         resp.release()
-
-
-def _failed(ctx: RequestContext, status: int, message: str, headers: dict[str, str]) -> web.Response:
-    ttft_ms = float(headers[TTFT])
-    log_turn(session=ctx.session, turn=ctx.turn, cache="bypass", reused=0, prompt=0, ttft_ms=ttft_ms)
-    return error_response(APIError(status, message), headers)

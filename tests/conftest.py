@@ -5,7 +5,8 @@
 - `fake_upstream`: a running `tests.support.fake_upstream.FakeUpstream` (`.url`, `.requests`, knobs).
 - `start_app(app_or_factory, **kw)`: start any aiohttp app in a background thread, stopped at teardown;
   returns a `tests.servers.AppServer` (`.url`).
-- `start_proxy(settings=None, local_backend=None)`: build_app(settings) started the same way.
+- `start_proxy(settings=None, local_backend=None)`: build_app(settings) started the same way, with
+  `local_backend` (a stand-in for `proxy.backend.LocalBackend`) as its local serving.
 - `proxy`: the proxy with default test settings in front of `fake_upstream`.
 - `redis_server`: a throw-away redis-server on a free loopback port (skipped when the binary is absent).
 
@@ -92,7 +93,8 @@ def make_settings(tmp_path: Path, request: pytest.FixtureRequest) -> Callable[..
 def start_proxy(start_app, make_settings) -> Callable[..., AppServer]:
     def start(settings: Settings | None = None, local_backend: Any = None) -> AppServer:
         settings = settings or make_settings()
-        return start_app(build_app(settings, local_backend=local_backend))
+        local = None if local_backend is None else lambda: local_backend
+        return start_app(build_app(settings, local=local))
 
     return start
 

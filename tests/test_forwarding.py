@@ -9,7 +9,6 @@ import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable
-from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -18,10 +17,10 @@ import urllib3
 from aiohttp import web
 
 from proxy.app import build_app
+from proxy.backend import LocalBackend
 from proxy.errors import APIError
 from proxy.forwarding import FORWARDED_BY, FORWARDER, forward_target
-from proxy.headers import store_headers
-from proxy.keys import LOCAL_RUNNER, METRICS
+from proxy.keys import METRICS
 from proxy.session_index import MemorySessionIndex, RedisSessionIndex, ReplicaInfo, SessionRecord
 from proxy.tenant import tenant_of
 from tests.support.threaded_server import free_port
@@ -33,32 +32,36 @@ TENANT = tenant_of(AUTH)
 MODEL = "local-model"
 
 
-class StandIn:
-    """A local backend through the seam: answers a two-event SSE stream naming its replica.
+class StandIn(LocalBackend):
+    """A local backend through the seam: answers a two-event SSE stream, an l0 hit with a TTFT of 1 ms.
     `gate`: the second event waits for it (proves the forwarder streams, not buffers).
-    `mode`: "full" answers 503 queue_full, "drop" closes the connection before answering."""
+    `mode`: "full" answers 503 queue_full, "drop" closes the connection before answering.
+    `load`: the jobs it reports queued or running."""
 
-    def __init__(self, name: str, mode: str = "ok", gate: threading.Event | None = None):
+    def __init__(self, name: str, mode: str = "ok", gate: threading.Event | None = None, load: int = 0):
         self.name = name
         self.mode = mode
         self.gate = gate
+        self.jobs = load
         self.seen: list[tuple[dict[str, str], bytes, Any]] = []
 
     def supports(self, chat) -> str | None:
         return None
 
-    async def handle(self, request: web.Request, chat, ctx) -> web.StreamResponse:
-        self.seen.append((dict(request.headers), chat.raw, ctx))
+    def load(self) -> int:
+        return self.jobs
+
+    async def handle(self, request: web.Request, chat, turn) -> web.StreamResponse:
+        self.seen.append((dict(request.headers), chat.raw, turn))
         if self.mode == "full":
             raise APIError(503, "The local queue is full; retry later.", code="queue_full")
         if self.mode == "drop":
             assert request.transport is not None
             request.transport.abort()
             return web.Response()
-        headers = store_headers(
-            cache="l0", route="local", reused=5, session=ctx.session, ttft_ms=1.0, replica=self.name
-        )
-        resp = web.StreamResponse(headers=headers)
+        at = turn.received_at + 0.001
+        turn.local_first_token(cache="l0", reused=5, prompt=8, tiers={"l0": 5}, position_shift=0, at=at)
+        resp = web.StreamResponse(headers=turn.headers())
         resp.content_type = "text/event-stream"
         await resp.prepare(request)
         await resp.write(b"data: one\n\n")
@@ -99,7 +102,7 @@ def heartbeat_of(url: str, replica: str) -> ReplicaInfo | None:
 def replica(redis_server, start_app, make_settings):
     """start(name, backend, advertise=True, **proxy settings) -> (server, app): a replica on Redis."""
 
-    def start(name: str, backend: StandIn, advertise: bool = True, runner: Any = None, **proxy: Any):
+    def start(name: str, backend: StandIn, advertise: bool = True, **proxy: Any):
         port = free_port()
         settings = make_settings(
             local_runner={"enabled": True, "models": {MODEL: "/nowhere.gguf"}},
@@ -112,9 +115,7 @@ def replica(redis_server, start_app, make_settings):
                 **proxy,
             },
         )
-        app = build_app(settings, local_backend=backend, index=RedisSessionIndex(redis_server.url))
-        if runner is not None:
-            app[LOCAL_RUNNER] = runner
+        app = build_app(settings, local=lambda: backend, index=RedisSessionIndex(redis_server.url))
         return start_app(app, port=port), app
 
     return start
@@ -160,11 +161,11 @@ def test_a_turn_goes_to_the_live_owner_as_is_and_streams_back_chunk_by_chunk(rep
     resp.release_conn()
 
     assert here.seen == [] and len(there.seen) == 1
-    headers, raw, ctx = there.seen[0]
+    headers, raw, turn = there.seen[0]
     assert headers[FORWARDED_BY] == "replica-x"
     assert headers["Authorization"] == AUTH["Authorization"] and headers["X-Client-Thing"] == "kept"
     assert orjson.loads(raw)["session_id"] == "conv"  # the body as the client sent it
-    assert ctx.session == "conv" and ctx.tenant == TENANT
+    assert turn.session == "conv" and turn.tenant == TENANT
     assert 'attnstore_forwarded_turns_total{outcome="forwarded"} 1.0' in x_app[METRICS].render().decode()
 
 
@@ -237,9 +238,8 @@ def test_a_session_not_hot_elsewhere_is_served_here(replica, redis_server, case)
 
 
 def test_the_heartbeat_announces_address_and_load_and_is_withdrawn_at_stop(replica, redis_server):
-    # The load is read at each beat: what the runner has queued and running.
-    runner = SimpleNamespace(queue_depth=2, running=1, close=lambda: None)
-    x, _ = replica("replica-x", StandIn("replica-x"), runner=runner)
+    # The load is read at each beat: what local serving has queued and running.
+    x, _ = replica("replica-x", StandIn("replica-x", load=3))
     wait_until(
         lambda: (heartbeat_of(redis_server.url, "replica-x") or ReplicaInfo("")).load == 3, "a beat", 10
     )
@@ -254,8 +254,9 @@ def test_without_redis_nothing_changes(make_settings):
         local_runner={"enabled": True, "models": {MODEL: "/nowhere.gguf"}},
         proxy={"advertise_url": "http://127.0.0.1:1"},
     )
-    app = build_app(settings, local_backend=StandIn("x"), index=MemorySessionIndex())
-    assert FORWARDER not in app and len(app.cleanup_ctx) == 1  # the HTTP client only: no heartbeat
+    app = build_app(settings, local=lambda: StandIn("x"), index=MemorySessionIndex())
+    assert FORWARDER not in app
+    assert "heartbeat" not in [getattr(ctx, "__name__", "") for ctx in app.cleanup_ctx]
 
 
 def test_forward_target_weighs_the_owner_against_its_load():

@@ -9,7 +9,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.keys import LOCAL_RUNNER
+from proxy.keys import LOCAL_BACKEND
 from tests.model_fixture import MODEL
 from tests.servers import http_request
 
@@ -20,7 +20,7 @@ URL = "/v1/chat/completions"
 
 def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(local_proxy, fake_upstream):
     server = local_proxy()  # with an upstream: big bodies may be its (images), so they are read
-    runner = server.app[LOCAL_RUNNER]
+    runner = server.app[LOCAL_BACKEND].runner
     calls = []
     real = runner.render_turn if hasattr(runner, "render_turn") else runner.render
     name = "render_turn" if hasattr(runner, "render_turn") else "render"
@@ -42,7 +42,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(local_proxy, fake
 
 def test_without_an_upstream_an_oversized_body_is_refused_before_it_is_read(local_proxy):
     server = local_proxy()
-    runner = server.app[LOCAL_RUNNER]
+    runner = server.app[LOCAL_BACKEND].runner
     limit = runner.context_limit(MODEL) * 64 + 64 * 1024
     huge = {"model": MODEL, "messages": [{"role": "user", "content": "a" * (limit + 1)}], "max_tokens": 2}
     r = http_request("POST", server.url + URL, huge, timeout=60)

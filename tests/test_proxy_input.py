@@ -1,10 +1,12 @@
 """Bad input is a 4xx OpenAI error naming the param; a handler crash is a 500 and the proxy keeps going."""
 
+import time
+
 import orjson
 import pytest
 from aiohttp import web
 
-from proxy.headers import store_headers
+from proxy.backend import LocalBackend
 from tests.servers import http_request
 
 URL = "/v1/chat/completions"
@@ -71,23 +73,30 @@ def test_client_auth(fake_upstream, start_proxy, make_settings):
     assert http_request("GET", server.url + "/healthz").status == 200
 
 
-class FakeLocal:
-    """A local backend through the seam: serves "local-model" unless `temperature` is set."""
+class FakeLocal(LocalBackend):
+    """A local backend through the seam: serves "local-model" unless `temperature` is set; its turns
+    reuse `reused` of their 10 prompt tokens from L1 (a miss when 0), reported through the turn."""
 
-    def __init__(self):
+    def __init__(self, reused: int = 0):
         self.seen = []
+        self.reused = reused
 
     def supports(self, chat):
         return "temperature is not supported locally" if "temperature" in chat.body else None
 
-    async def handle(self, request, chat, ctx):
-        self.seen.append((chat.model, ctx))
+    async def handle(self, request, chat, turn):
+        self.seen.append((chat.model, turn))
         if chat.body.get("boom"):
             raise RuntimeError("local backend exploded")
-        headers = store_headers(
-            cache="miss", route="local", reused=0, session=ctx.session, ttft_ms=1.0, replica="r"
+        turn.local_first_token(
+            cache="l1" if self.reused else "miss",
+            reused=self.reused,
+            prompt=10,
+            tiers={"l1": self.reused},
+            position_shift=0,
+            at=time.monotonic(),
         )
-        return web.json_response({"ok": True}, headers=headers)
+        return web.json_response({"ok": True}, headers=turn.headers())
 
 
 def local_settings(make_settings):
@@ -100,8 +109,8 @@ def test_local_route_through_the_seam(fake_upstream, start_proxy, make_settings)
     body = {**OK, "model": "local-model", "session_id": "s-1"}
     r = http_request("POST", server.url + URL, body, {"Authorization": "Bearer t"})
     assert r.status == 200 and r.headers["x-attentionstore-route"] == "local"
-    model, ctx = backend.seen[-1]
-    assert model == "local-model" and ctx.session == "s-1" and ctx.turn == 0 and ctx.tenant != "anonymous"
+    model, turn = backend.seen[-1]
+    assert model == "local-model" and turn.session == "s-1" and turn.turn == 0 and turn.tenant != "anonymous"
     assert fake_upstream.requests == []
     # Unsupported options and other models go upstream.
     r = http_request("POST", server.url + URL, {**body, "temperature": 0.5})

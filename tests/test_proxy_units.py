@@ -1,11 +1,15 @@
+import ast
+from pathlib import Path
+
 import pytest
 
 from proxy.chat_request import count_turn
 from proxy.errors import APIError
+from proxy.header_filter import outbound_headers
 from proxy.headers import CACHE, TIER_NAMES, cache_label, store_headers
 from proxy.session import prefix_fingerprint, resolve_session
 from proxy.tenant import check_client_auth, tenant_of
-from proxy.upstream import prompt_tokens_from_sse_tail, request_headers, upstream_url
+from proxy.upstream import prompt_tokens_from_sse_tail, upstream_url
 
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
@@ -24,20 +28,44 @@ def test_upstream_url(base, path, want):
     assert upstream_url(base, path) == want
 
 
-def test_request_headers_drop_hop_by_hop_and_replace_key():
-    h = {
-        "Host": "proxy",
-        "Content-Length": "5",
-        "Connection": "keep-alive, X-Drop",
-        "X-Drop": "1",
-        "Transfer-Encoding": "chunked",
-        "X-Session-Id": "s",
-        "Authorization": "Bearer client",
+CLIENT_HEADERS = {
+    "Host": "proxy",
+    "Content-Length": "5",
+    "Connection": "keep-alive, X-Drop",
+    "X-Drop": "1",
+    "Transfer-Encoding": "chunked",
+    "X-Session-Id": "s",
+    "Authorization": "Bearer client",
+    "OpenAI-Organization": "org",
+}
+
+
+def test_outbound_headers_to_the_upstream_drop_hop_by_hop_and_replace_the_key(make_settings, monkeypatch):
+    settings = make_settings()
+    assert dict(outbound_headers(CLIENT_HEADERS, settings, "upstream")) == {
+        "Authorization": "Bearer client",  # no client keys here: the client's own key is the upstream's
         "OpenAI-Organization": "org",
     }
-    out = request_headers(h, "upstream-key")
+    monkeypatch.setenv("ATTNSTORE_TEST_UPSTREAM_KEY", "upstream-key")
+    out = outbound_headers(CLIENT_HEADERS, settings, "upstream")
     assert dict(out) == {"Authorization": "Bearer upstream-key", "OpenAI-Organization": "org"}
-    assert request_headers(h, None)["Authorization"] == "Bearer client"
+
+
+@pytest.mark.parametrize("keys", [{"api_keys": ["client"]}, {"admin_keys": ["client"]}])
+def test_outbound_headers_never_pass_a_proxy_key_upstream(make_settings, keys):
+    out = outbound_headers(CLIENT_HEADERS, make_settings(proxy=keys), "upstream")
+    assert dict(out) == {"OpenAI-Organization": "org"}
+
+
+def test_outbound_headers_to_a_replica_keep_the_key_and_the_session(make_settings, monkeypatch):
+    monkeypatch.setenv("ATTNSTORE_TEST_UPSTREAM_KEY", "upstream-key")
+    settings = make_settings(proxy={"api_keys": ["client"], "replica_id": "r1"})
+    assert dict(outbound_headers(CLIENT_HEADERS, settings, "replica")) == {
+        "X-Session-Id": "s",
+        "Authorization": "Bearer client",  # the owner authenticates it and derives the same tenant
+        "OpenAI-Organization": "org",
+        "X-AttentionStore-Forwarded-By": "r1",
+    }
 
 
 def test_resolve_session_order_and_strip():
@@ -115,3 +143,39 @@ def test_cache_labels_come_from_kvtiers_tiers():
     }
     upstream = store_headers(cache="bypass", route="upstream", reused=0, session="s", ttft_ms=1, replica="r1")
     assert "X-AttentionStore-Tiers" not in upstream and upstream["X-AttentionStore-Replica"] == "r1"
+
+
+def _proxy_imports() -> dict[str, set[str]]:
+    """Every module of proxy/ -> the proxy modules it imports (at the top or inside a function)."""
+    root = Path(__file__).resolve().parents[1]
+    graph: dict[str, set[str]] = {}
+    for path in (root / "proxy").rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        package = parts[:-1]
+        if parts[-1] == "__init__":
+            parts = package
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                names = [f"{target}.{a.name}" for a in node.names] if not node.module else [target]
+                deps.update(n for n in names if n.startswith("proxy"))
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("proxy"))
+        graph[".".join(parts)] = deps - {".".join(parts)}
+    return graph
+
+
+def test_imports_in_proxy_point_one_way():
+    graph = _proxy_imports()
+    assert "proxy.turn" in graph and "proxy.local.chat_backend" in graph
+    # A module's imports come before it: repeatedly take the modules whose imports are all taken.
+    done: set[str] = set()
+    while len(done) < len(graph):
+        ready = {m for m, deps in graph.items() if m not in done and deps & graph.keys() <= done}
+        assert ready, f"import cycle among {sorted(set(graph) - done)}"
+        done |= ready
+    # Only the app reaches into local serving (torch): everything else goes through proxy.backend.
+    reaching = {m for m, deps in graph.items() if any(d.startswith("proxy.local.") for d in deps)}
+    assert {m for m in reaching if not m.startswith("proxy.local")} == {"proxy.app"}

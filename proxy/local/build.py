@@ -13,10 +13,10 @@ from kvtier import KVStore, StoreConfig
 from local_runner.loader import LoadedModel, load_model
 from local_runner.runner import Runner
 
-from ..metrics import Metrics
 from ..session_index import SessionIndex
 from ..settings import Settings, replica_id, resolve_path
-from .chat_backend import LocalChatBackend, UpstreamFallback
+from .admission import LocalAdmission, UpstreamFallback
+from .chat_backend import LocalChatBackend
 
 MB = 1024 * 1024
 
@@ -72,12 +72,12 @@ def open_stores(
 def build_local_backend(
     settings: Settings,
     index: SessionIndex,
-    metrics: Metrics,
     models: Mapping[str, LoadedModel],
     *,
     overflow: UpstreamFallback | None = None,
     base_dir: Path | None = None,
 ) -> LocalChatBackend:
+    """The stores, the runner (its worker starts here) and the backend; `close()` on it stops them all."""
     lr = settings.local_runner
     preload = settings.attention_store.preload
     aware = settings.attention_store.scheduler_aware
@@ -97,16 +97,19 @@ def build_local_backend(
         truncate_on_overflow=settings.attention_store.position_encoding.truncate_on_overflow,
         decouple=settings.attention_store.position_encoding.decouple,
     )
+    admission = LocalAdmission(
+        runner,
+        max_concurrent_per_client=settings.proxy.max_concurrent_per_client,
+        hit_queue_wait_s=lr.hit_queue_wait_s,
+        overflow=overflow,
+    )
     return LocalChatBackend(
         runner,
         index,
-        metrics,
+        admission,
         replica=replica_id(settings),
         reuse=settings.attention_store.enabled,
         default_max_tokens=lr.max_tokens_default,
-        hit_queue_wait_s=lr.hit_queue_wait_s,
-        overflow=overflow,
-        max_concurrent_per_client=settings.proxy.max_concurrent_per_client,
         tokenize_threads=settings.proxy.tokenize_threads,
         truncate_on_overflow=settings.attention_store.position_encoding.truncate_on_overflow,
     )

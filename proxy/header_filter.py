@@ -1,0 +1,78 @@
+"""The one filter for headers that cross the proxy, for every call it makes on a client's behalf: a chat turn
+or `GET /v1/models` sent to the upstream, and a turn forwarded to the replica holding its KV.
+
+What a client's headers lose on the way out:
+
+- always: hop-by-hop headers (and any the client's `Connection` names), `Host`, `Content-Length` (the
+  client library sets them for the new connection);
+- to the upstream: `X-Session-Id` (the proxy's own), and the client's `Authorization` when the proxy
+  authenticates clients (`proxy.api_keys` or `proxy.admin_keys`): that key is for this proxy only, no
+  client credential reaches the upstream. The key that `llm_endpoint.api_key_env` names, when set,
+  takes its place; a proxy that does not authenticate clients passes the client's own key through;
+- to another replica: nothing more. The owner authenticates the same key and derives the same tenant;
+  the request is marked `X-AttentionStore-Forwarded-By` (one hop at most).
+
+An answer coming back loses its hop-by-hop headers, `Content-Length`, `Date` and `Server`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+from multidict import CIMultiDict
+
+from .headers import FORWARDED_BY
+from .session import SESSION_HEADER
+from .settings import Settings, replica_id
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "Proxy-Connection",
+        "TE",
+        "Trailer",
+        "Trailers",
+        "Transfer-Encoding",
+        "Upgrade",
+    )
+)
+_DROP_ALWAYS = HOP_BY_HOP | {"host", "content-length"}
+_DROP_TO_UPSTREAM = _DROP_ALWAYS | {SESSION_HEADER.lower()}
+_DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
+
+Destination = Literal["upstream", "replica"]
+
+
+def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
+    return {t.strip().lower() for t in headers.get("Connection", "").split(",") if t.strip()}
+
+
+def authenticates_clients(settings: Settings) -> bool:
+    """Whether this proxy checks client keys itself (then a client's key is never passed on upstream)."""
+    return bool(settings.proxy.api_keys or settings.proxy.admin_keys)
+
+
+def outbound_headers(client: Mapping[str, str], settings: Settings, to: Destination) -> CIMultiDict[str]:
+    """The client's headers for a call to `to` on its behalf (see the module's docstring)."""
+    drop = (_DROP_TO_UPSTREAM if to == "upstream" else _DROP_ALWAYS) | _connection_tokens(client)
+    if to == "upstream" and authenticates_clients(settings):
+        drop = drop | {"authorization"}
+    out: CIMultiDict[str] = CIMultiDict((k, v) for k, v in client.items() if k.lower() not in drop)
+    if to == "replica":
+        out[FORWARDED_BY] = replica_id(settings)
+        return out
+    upstream_key = settings.upstream_api_key
+    if upstream_key:
+        out["Authorization"] = f"Bearer {upstream_key}"
+    return out
+
+
+def inbound_headers(answer: Mapping[str, str]) -> CIMultiDict[str]:
+    """An upstream's or an owner replica's answer headers, for the client."""
+    drop = _DROP_RESPONSE | _connection_tokens(answer)
+    return CIMultiDict((k, v) for k, v in answer.items() if k.lower() not in drop)
