@@ -29,6 +29,8 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 
+from kvtier.tier_names import MEMORY_TIERS  # torch-free: the tier names only
+
 from .chat_request import ChatRequest
 from .header_filter import inbound_headers, outbound_headers
 from .headers import FORWARDED_BY
@@ -38,8 +40,6 @@ from .settings import Settings, replica_id
 from .turn import Turn
 
 log = logging.getLogger("attnstore.forwarding")
-# Tiers a replica holds in memory (kvtier's MEMORY_TIERS; importing kvtier here would load torch).
-MEMORY_TIERS = ("l0", "l1")
 # A replica is taken for dead once it missed this many heartbeats.
 MISSED_BEATS = 3
 

@@ -5,14 +5,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
-if TYPE_CHECKING:  # the tier names are kvtier's (importing kvtier at run time would load torch)
-    from kvtier import Tier
+from kvtier import tier_names  # torch-free: the tier names only
 
 # What a turn reports as its cache level: the slowest tier it reused KV from, "miss" (a local turn that
 # reused nothing) or "bypass" (an upstream turn).
-CacheLevel: TypeAlias = "Tier | Literal['miss', 'bypass']"
+CacheLevel: TypeAlias = tier_names.Tier | Literal["miss", "bypass"]
 RouteName = Literal["local", "upstream"]
 
 CACHE = "X-AttentionStore-Cache"
@@ -25,7 +24,7 @@ POSITION_SHIFT = "X-AttentionStore-Position-Shift"
 REPLICA = "X-AttentionStore-Replica"
 # On a turn one replica forwards to another (one hop at most: a request carrying it is served where it lands).
 FORWARDED_BY = "X-AttentionStore-Forwarded-By"
-TIER_NAMES = ("l0", "l1", "l2")
+TIER_NAMES = tier_names.TIERS  # X-AttentionStore-Tiers names every tier kvtier has, in its order
 
 
 def cache_label(level: CacheLevel) -> str:

@@ -1,4 +1,6 @@
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,3 +181,13 @@ def test_imports_in_proxy_point_one_way():
     # Only the app reaches into local serving (torch): everything else goes through proxy.backend.
     reaching = {m for m, deps in graph.items() if any(d.startswith("proxy.local.") for d in deps)}
     assert {m for m in reaching if not m.startswith("proxy.local")} == {"proxy.app"}
+
+
+def test_an_upstream_only_proxy_loads_no_torch():
+    """The proxy's core (tier names included, from kvtier's torch-free module) imports without torch:
+    an upstream-only proxy starts in a blink. Only proxy.local, built when local serving is on, loads it."""
+    code = (
+        "import sys, proxy.app, proxy.cli; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
+    )
+    root = Path(__file__).resolve().parents[1]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, timeout=60).returncode == 0
