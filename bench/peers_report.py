@@ -132,7 +132,7 @@ def plot_servers(path: Path, records: Sequence[TurnRecord], labels: Sequence[str
         xs, ys = _by_turn(recs, _share)
         if xs:
             share_ax.plot(xs, [100 * y for y in ys], marker="o", label=label)
-    ttft_ax.set_yscale("log")
+    ttft_ax.set_ylim(bottom=0)
     ttft_ax.set_xlabel("turn")
     ttft_ax.set_ylabel("TTFT, median (s, client-measured)")
     share_ax.set_xlabel("turn")
