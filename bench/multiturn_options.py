@@ -100,7 +100,7 @@ def parser() -> argparse.ArgumentParser:
         "--peer-model", action="append", default=[], help="the model name it serves (default: --model)"
     )
     g.add_argument(
-        "--sessions", type=int, default=0, help="S conversations open at once (default with --peer: 32)"
+        "--sessions", type=int, default=0, help="S conversations open at once (default: --conversations)"
     )
     g.add_argument("--turns", type=int, default=0, help="T turns each (default: --max-turns)")
     g.add_argument(
