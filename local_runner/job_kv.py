@@ -1,13 +1,12 @@
-"""One job's K/V: a buffer per layer sized for the whole job, the restored prefix adopted without a copy.
+"""One job's K/V: its slot in the model's KV pool (kv_slots.py), the restored prefix already in place.
 
-Why not transformers' DynamicCache: its `update()` concatenates the whole history on every decoded token
-(for a 4k-token context that copies ~190 MB per token in float32). A job knows its final length up front
-(prompt + max_tokens), so each layer gets one buffer and every step writes into it.
+A job knows its final length up front (prompt + max_tokens), and its slot has room for the model's whole
+context, so every step writes the new tokens' K/V into the slot and nothing is ever reallocated or
+concatenated (transformers' DynamicCache copies the whole history on every token).
 
-Restoring: kvtier fills layers in order on a background thread, into buffers it sizes for the whole job,
-which become this job's buffers on first use of each layer (no second allocation, no copy). Reading a
-layer that has not arrived yet waits for it, so when a job runs alone, layer i+1 loads while layer i
-computes.
+Restoring: kvtier fills the slot's layers in order on a background thread (`load(out=slot views)`).
+Reading a layer that has not arrived yet waits for it, so when a job runs alone, layer i+1 loads while
+layer i computes. A positional shift (realign.ShiftedKV) moves a layer's kept turns on first use.
 
 `length` counts the tokens whose K/V every layer holds. A forward writes the new tokens' K/V at
 [length, length + n) layer by layer and the step advances `length` only once the whole forward is done,
@@ -22,11 +21,12 @@ import torch
 
 from kvtier import KVLayout
 
-KV = tuple[torch.Tensor, torch.Tensor]
+from .kv_slots import KV, SlotPool
 
 
 class LayerSource(Protocol):
-    """Where restored KV comes from (kvtier.RestoredKV): blocks until layer i is ready."""
+    """Where restored KV comes from (kvtier.RestoredKV, or a shift over it): blocks until layer i is
+    ready in the slot, then returns its buffers."""
 
     def buffers(self, i: int) -> KV: ...
 
@@ -34,82 +34,70 @@ class LayerSource(Protocol):
 class JobKV:
     def __init__(
         self,
-        layout: KVLayout,
-        device: torch.device,
-        capacity: int,
+        pool: SlotPool,
+        slot: int,
         restored: LayerSource | None = None,
         restored_tokens: int = 0,
     ) -> None:
-        self._layout = layout
-        self._device = device
-        self._capacity = max(1, capacity)
+        self.pool = pool
+        self.slot = slot
+        self._views = pool.slot_layers(slot)
         self._source = restored if restored_tokens else None
+        self._arrived = [self._source is None] * len(self._views)
         self.length = restored_tokens
-        self._layers: list[KV | None] = [None] * layout.num_layers
+
+    @classmethod
+    def standalone(cls, layout: KVLayout, device: torch.device, capacity: int) -> JobKV:
+        """A job's KV in a pool of its own (one slot): references, tests, the warm-up."""
+        return cls(SlotPool(layout, device, 1, max(1, capacity)), 0)
 
     @property
     def num_layers(self) -> int:
-        return len(self._layers)
+        return len(self._views)
 
     @property
-    def nbytes_reserved(self) -> int:
-        """Bytes this job's buffers take (or will take) at their current capacity."""
-        return self._capacity * self._layout.bytes_per_token
+    def capacity(self) -> int:
+        return self.pool.capacity
 
-    def layer(self, i: int, needed: int = 0) -> KV:
-        """Layer i's whole buffers, [1, heads, capacity, head_dim], with room for `needed` tokens.
-        Waits for a restored layer; raises kvtier.KVLoadError if its load failed."""
-        kv = self._layers[i]
-        if kv is None:
-            kv = self._source.buffers(i) if self._source is not None else self._empty(self._capacity)
-            self._layers[i] = kv
-        if needed > kv[0].shape[-2]:
-            kv = self._grow(i, kv, needed)
-        return kv
+    def layer(self, i: int) -> KV:
+        """Layer i's whole slot, [1, heads, capacity, head_dim] each; waits for a restored layer and
+        raises kvtier.KVLoadError if its load failed."""
+        if not self._arrived[i]:
+            assert self._source is not None
+            self._source.buffers(i)  # the restore wrote into this slot; a shift moves it here
+            self._arrived[i] = True
+        return self._views[i]
 
     def write(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> KV:
         """Write K/V of new tokens ([1, heads, n, head_dim]) at [length, length + n) of layer i; returns
         views of that layer's K/V up to length + n (what attention reads)."""
         start = self.length
         end = start + keys.shape[-2]
-        kv = self._layers[i]
-        if kv is None or end > kv[0].shape[-2]:
-            kv = self.layer(i, end)
-        k, v = kv
+        if end > self.capacity:
+            raise ValueError(f"a job's KV cannot grow past its slot ({end} > {self.capacity} tokens)")
+        k, v = self.layer(i)
         k[:, :, start:end] = keys
         v[:, :, start:end] = values
         return k[:, :, :end], v[:, :, :end]
 
     def crop(self, length: int) -> None:
-        """Forget every token from `length` on (the buffers stay allocated)."""
+        """Forget every token from `length` on."""
         self.length = max(0, min(self.length, length))
 
     def drop_restored(self) -> None:
-        """Start over without the restored prefix (its load failed): an empty job of the same capacity."""
+        """Start over without the restored prefix (its load failed): the slot counts nothing."""
         self._source = None
+        self._arrived = [True] * len(self._views)
         self.length = 0
-        self._layers = [None] * len(self._layers)
 
     def layers(self) -> list[KV]:
         """Every layer's K and V for the `length` tokens held, as [1, heads, tokens, head_dim] views."""
         out = []
-        for i in range(len(self._layers)):
+        for i in range(len(self._views)):
             k, v = self.layer(i)
             out.append((k[:, :, : self.length], v[:, :, : self.length]))
         return out
 
-    def _empty(self, capacity: int) -> KV:
-        lay = self._layout
-        shape = (1, lay.num_kv_heads, capacity, lay.head_dim)
-        return (
-            torch.empty(shape, dtype=lay.dtype, device=self._device),
-            torch.empty(shape, dtype=lay.dtype, device=self._device),
-        )
-
-    def _grow(self, i: int, kv: KV, needed: int) -> KV:
-        self._capacity = max(needed, self._capacity * 2, kv[0].shape[-2] * 2)
-        k, v = self._empty(self._capacity)
-        k[:, :, : self.length].copy_(kv[0][:, :, : self.length])
-        v[:, :, : self.length].copy_(kv[1][:, :, : self.length])
-        self._layers[i] = (k, v)
-        return k, v
+    def restore_targets(self) -> list[KV]:
+        """The slot's per-layer buffers, for the store to restore into (kvtier `load(out=...)`)."""
+        return list(self._views)

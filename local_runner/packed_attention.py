@@ -1,16 +1,26 @@
-"""Selective batching (Orca): one forward over the new tokens of every running job, attention per job.
+"""Selective batching (Orca) with batched attention: one forward over the new tokens of every running job.
 
 The dense work of a step (embeddings, projections, MLP, norms, logits) runs once over all jobs' tokens
 packed as one sequence: decoding is memory-bound, so reading the weights once for 8 jobs costs little
-more than for one (FACTS.md, "Batching": 25/57/104 tok/s for 1/4/8 jobs). Attention is the one part that
-differs per job: each job's queries attend to its own K/V, which lives in its own buffers (restored from
-kvtier, adopted without a copy, saved on finish), so no two jobs ever see each other's tokens.
+more than for one. Attention is where jobs differ: each job's queries attend to its own K/V only, which
+lives in its slot of the model's KV pool (kv_slots.py). Per layer, a step does:
+
+- one write of every new token's K and V into its job's slot (one indexed copy for the whole step);
+- ONE attention call for all decoding jobs: their queries against the pool's rows [lo, hi) of the slots
+  they occupy, each row masked past its own job's length (rows of other slots are computed and
+  dropped); with very uneven lengths the longest jobs attend on their own, so a short job never pays
+  for a long one's keys (see `_split_outliers`);
+- one call per job whose prompt is being prefilled (a chunk of many queries: causal within the chunk).
+
+`batch_invariant`: every decoding job attends alone, over exactly its own length, so its result cannot
+depend on which other jobs share the step (the batched call pads rows to the longest job, which changes
+the order of the floating-point sums). See README, "Batch invariance".
 
 How it plugs into transformers without model-specific code: the model runs with an attention function
 registered under `PACKED` (AttentionInterface), every token gets its own job's position (`position_ids`),
 and the step's `PackedPlan` reaches the attention function as an extra forward keyword. Called without
-a plan (plain `model.generate`, say), the function is ordinary SDPA with the SDPA mask, so switching a
-model to it changes nothing for anyone else.
+a plan (plain `model.generate`, say), the function is ordinary SDPA, so switching a model to it changes
+nothing for anyone else.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .job_kv import JobKV
+from .kv_slots import SlotPool
 
 PACKED = "attnstore_packed"
 PLAN_KWARG = "attnstore_plan"
@@ -32,6 +43,10 @@ PLAN_KWARG = "attnstore_plan"
 # Decoder-only models whose attention modules call the registered attention function with
 # [batch, heads, tokens, head_dim] RoPE-rotated Q/K/V and carry `layer_idx`: they take the packed step.
 PACKABLE_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+
+# A decoding job attends on its own when the batched call would read this many times more keys than
+# the jobs hold (rows padded to the longest job).
+OUTLIER_WASTE = 2.0
 
 
 @dataclass
@@ -44,11 +59,35 @@ class Segment:
 
 
 @dataclass
+class _PoolGroup:
+    """The step's segments whose jobs share one KV pool, with the index tensors every layer reuses."""
+
+    pool: SlotPool
+    segments: list[Segment]
+    rows: torch.Tensor  # packed rows of these segments' tokens
+    slots: torch.Tensor  # each such token's slot
+    positions: torch.Tensor  # each such token's position in its slot
+    decode: list[Segment]  # one-token segments attending together
+    decode_alone: list[Segment]  # one-token segments attending on their own
+    prefill: list[Segment]
+
+
+@dataclass
 class PackedPlan:
     segments: list[Segment]
+    batch_invariant: bool = False
+    _groups: list[_PoolGroup] | None = None
     _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _decode_masks: dict[int, tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
 
-    def mask(self, n: int, past: int, device: torch.device) -> torch.Tensor:
+    def groups(self, device: torch.device) -> list[_PoolGroup]:
+        if self._groups is None:
+            self._groups = _group(self.segments, device, self.batch_invariant)
+        return self._groups
+
+    def causal_mask(self, n: int, past: int, device: torch.device) -> torch.Tensor:
         """Causal mask of n new queries over past + n keys (query i sees keys up to past + i)."""
         key = (n, past)
         m = self._masks.get(key)
@@ -56,6 +95,71 @@ class PackedPlan:
             m = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)
             self._masks[key] = m
         return m
+
+    def decode_layout(self, g: _PoolGroup) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lo, keys, slot rows, packed rows, mask) of a group's batched decode call, built once per step:
+        pool rows [lo, lo + len(mask)), `keys` = the longest job's length, mask [rows, 1, 1, keys]."""
+        cached = self._decode_masks.get(id(g))
+        if cached is not None:
+            return cached
+        dev = g.rows.device
+        slots = [s.kv.slot for s in g.decode]
+        lengths = [s.kv.length + 1 for s in g.decode]
+        lo, hi, keys = min(slots), max(slots) + 1, max(lengths)
+        per_row = torch.zeros(hi - lo, dtype=torch.long, device=dev)
+        slot_rows = torch.tensor([s - lo for s in slots], dtype=torch.long, device=dev)
+        per_row[slot_rows] = torch.tensor(lengths, dtype=torch.long, device=dev)
+        mask = (torch.arange(keys, device=dev) < per_row[:, None])[:, None, None, :]
+        rows = torch.tensor([s.offset for s in g.decode], dtype=torch.long, device=dev)
+        out = (lo, keys, slot_rows, rows, mask)
+        self._decode_masks[id(g)] = out
+        return out
+
+
+def _split_outliers(decode: list[Segment]) -> tuple[list[Segment], list[Segment]]:
+    """Jobs that attend together, and the longest ones that attend alone: the batched call reads every
+    row up to the longest job, so long outliers go alone until that costs at most OUTLIER_WASTE x the
+    keys the jobs hold."""
+    together = sorted(decode, key=lambda s: s.kv.length)
+    alone: list[Segment] = []
+    while len(together) > 1:
+        held = sum(s.kv.length + 1 for s in together)
+        if len(together) * (together[-1].kv.length + 1) <= OUTLIER_WASTE * held:
+            break
+        alone.append(together.pop())
+    return together, alone
+
+
+def _group(segments: list[Segment], device: torch.device, invariant: bool) -> list[_PoolGroup]:
+    by_pool: dict[int, list[Segment]] = {}
+    for seg in segments:
+        by_pool.setdefault(id(seg.kv.pool), []).append(seg)
+    groups = []
+    for segs in by_pool.values():
+        rows: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        for s in segs:
+            rows.extend(range(s.offset, s.offset + s.n))
+            slots.extend([s.kv.slot] * s.n)
+            positions.extend(range(s.kv.length, s.kv.length + s.n))
+        ones = [s for s in segs if s.n == 1]
+        together, alone = ([], ones) if invariant else _split_outliers(ones)
+        if len(together) == 1:
+            together, alone = [], alone + together
+        groups.append(
+            _PoolGroup(
+                pool=segs[0].kv.pool,
+                segments=segs,
+                rows=torch.tensor(rows, dtype=torch.long, device=device),
+                slots=torch.tensor(slots, dtype=torch.long, device=device),
+                positions=torch.tensor(positions, dtype=torch.long, device=device),
+                decode=together,
+                decode_alone=alone,
+                prefill=[s for s in segs if s.n > 1],
+            )
+        )
+    return groups
 
 
 def packed_attention(
@@ -74,33 +178,69 @@ def packed_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    heads, head_dim = query.shape[1], query.shape[-1]
-    outs: list[torch.Tensor] = []
-    for seg in plan.segments:
-        s, n = seg.offset, seg.n
-        past = seg.kv.length
-        k, v = seg.kv.write(layer, key[:, :, s : s + n], value[:, :, s : s + n])
-        q = query[:, :, s : s + n]
-        if n == 1:
-            # One query: fold the query heads that share a K/V head into the sequence axis, so SDPA runs
-            # plain attention against the un-expanded K/V (no mask: the new token sees every key).
-            kv_heads = k.shape[1]
-            o = F.scaled_dot_product_attention(
-                q.reshape(1, kv_heads, heads // kv_heads, head_dim), k, v, scale=scaling
-            )
-            outs.append(o.reshape(1, 1, heads, head_dim))
-        else:
-            o = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=None if past == 0 else plan.mask(n, past, q.device),
-                is_causal=past == 0,
-                scale=scaling,
-                enable_gqa=True,
-            )
-            outs.append(o.transpose(1, 2))
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [tokens, heads, head_dim]
+    for g in plan.groups(query.device):
+        _attend_group(plan, g, layer, query, key, value, scaling, out)
+    return out.unsqueeze(0), None
+
+
+def _attend_group(
+    plan: PackedPlan,
+    g: _PoolGroup,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    out: torch.Tensor,
+) -> None:
+    for seg in g.segments:
+        seg.kv.layer(layer)  # a restored layer must have arrived (and a shift moved it) before we read
+    k_pool, v_pool = g.pool.layer(layer)
+    # Every new token's K/V into its job's slot, at its position: one indexed copy each for K and V.
+    k_pool[g.slots, :, g.positions] = key[0, :, g.rows].transpose(0, 1)
+    v_pool[g.slots, :, g.positions] = value[0, :, g.rows].transpose(0, 1)
+    heads, head_dim = query.shape[1], query.shape[3]
+    kv_heads = k_pool.shape[1]
+    if g.decode:
+        lo, keys, slot_rows, rows, mask = plan.decode_layout(g)
+        n_rows = mask.shape[0]
+        # Fold the query heads that share a K/V head into the query axis: SDPA then runs plain
+        # attention against the un-expanded K/V of each slot.
+        q = query.new_zeros(n_rows, kv_heads, heads // kv_heads, head_dim)
+        q[slot_rows] = (
+            query[0, :, rows]
+            .reshape(kv_heads, heads // kv_heads, len(g.decode), head_dim)
+            .permute(2, 0, 1, 3)
+        )
+        o = F.scaled_dot_product_attention(
+            q,
+            k_pool[lo : lo + n_rows, :, :keys],
+            v_pool[lo : lo + n_rows, :, :keys],
+            attn_mask=mask,
+            scale=scaling,
+        )
+        out[rows] = o[slot_rows].reshape(len(g.decode), heads, head_dim)
+    for seg in g.decode_alone:
+        end = seg.kv.length + 1
+        slot = seg.kv.slot
+        q = query[:, :, seg.offset].reshape(1, kv_heads, heads // kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(
+            q, k_pool[slot : slot + 1, :, :end], v_pool[slot : slot + 1, :, :end], scale=scaling
+        )
+        out[seg.offset] = o.reshape(heads, head_dim)
+    for seg in g.prefill:
+        past, n, slot = seg.kv.length, seg.n, seg.kv.slot
+        o = F.scaled_dot_product_attention(
+            query[:, :, seg.offset : seg.offset + n],
+            k_pool[slot : slot + 1, :, : past + n],
+            v_pool[slot : slot + 1, :, : past + n],
+            attn_mask=None if past == 0 else plan.causal_mask(n, past, query.device),
+            is_causal=past == 0,
+            scale=scaling,
+            enable_gqa=True,
+        )
+        out[seg.offset : seg.offset + n] = o[0].transpose(0, 1)
 
 
 def register() -> None:

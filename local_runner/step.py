@@ -26,8 +26,11 @@ class Work:
 
 
 @torch.inference_mode()
-def run_packed(lm: LoadedModel, work: list[Work]) -> list[torch.Tensor | None]:
-    """All jobs' new tokens as one sequence, each at its own positions, attention per job."""
+def run_packed(
+    lm: LoadedModel, work: list[Work], *, batch_invariant: bool = False
+) -> list[torch.Tensor | None]:
+    """All jobs' new tokens as one sequence, each at its own positions; decoding jobs attend in one
+    batched call per layer (or each alone with `batch_invariant`), see packed_attention."""
     ids: list[int] = []
     positions: list[int] = []
     segments: list[Segment] = []
@@ -45,7 +48,7 @@ def run_packed(lm: LoadedModel, work: list[Work]) -> list[torch.Tensor | None]:
         position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
         use_cache=False,
         logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
-        **{PLAN_KWARG: PackedPlan(segments)},
+        **{PLAN_KWARG: PackedPlan(segments, batch_invariant)},
     )
     logits = out.logits[0]
     result: list[torch.Tensor | None] = []

@@ -50,7 +50,7 @@ def lm(model):
 
 def greedy_alone(lm, prompt_ids: list[int], n: int) -> list[int]:
     """Reference: the job alone, one plain transformers forward per token, no store."""
-    kv = JobKV(lm.layout, lm.device, len(prompt_ids) + n)
+    kv = JobKV.standalone(lm.layout, lm.device, len(prompt_ids) + n)
     logits = run_per_job(lm, [Work(kv, list(prompt_ids), want_logits=True)])[0]
     out: list[int] = []
     for _ in range(n):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from local_runner.job_kv import JobKV
+from local_runner.kv_slots import SlotPool
 from local_runner.loader import ThreadTokenizers, resolve_dtype
 from local_runner.packed_attention import can_pack
 from local_runner.prompt import fit_history, render_prompt
@@ -27,7 +28,13 @@ def tiny():
 
 
 def _kv(lm, capacity=64):
-    return JobKV(lm.layout, lm.device, capacity)
+    return JobKV.standalone(lm.layout, lm.device, capacity)
+
+
+def _shared(lm, n, capacity=64):
+    """n jobs' KV in one pool (as the runner holds them): their decode tokens attend in one call."""
+    pool = SlotPool(lm.layout, lm.device, n + 2, capacity)
+    return [JobKV(pool, pool.acquire()) for _ in range(n)]
 
 
 def _feed_alone(lm, kv, tokens):
@@ -39,9 +46,9 @@ def test_packed_step_equals_each_job_alone(tiny):
     """Two decoding jobs and two prefilling ones (one with history) in one forward: every job's logits
     and K/V are those it gets alone."""
     g = torch.Generator().manual_seed(1)
-    histories = [[], [5, 6, 7], [9] * 11, list(range(2, 30))]
-    new = [list(torch.randint(2, 60, (n,), generator=g).tolist()) for n in (1, 1, 7, 13)]
-    batched = [_kv(tiny) for _ in histories]
+    histories = [[], [5, 6, 7], [9] * 11, list(range(2, 30)), [4, 4], [8] * 5]
+    new = [list(torch.randint(2, 60, (n,), generator=g).tolist()) for n in (1, 1, 7, 13, 1, 1)]
+    batched = _shared(tiny, len(histories))
     alone = [_kv(tiny) for _ in histories]
     for kv_b, kv_a, hist in zip(batched, alone, histories, strict=True):
         if hist:
@@ -77,21 +84,28 @@ def test_plain_generate_is_unchanged_by_the_packed_attention():
     assert torch.equal(a, b)
 
 
-def test_job_kv_grows_keeping_its_contents_and_crops():
+def test_job_kv_writes_into_its_own_slot_only_and_crops():
     lm = tiny_loaded()
-    kv = JobKV(lm.layout, lm.device, capacity=4)
+    pool = SlotPool(lm.layout, lm.device, 3, 8)
+    kv = JobKV(pool, pool.acquire())
+    neighbour = JobKV(pool, pool.acquire())
+    assert (kv.slot, neighbour.slot) == (0, 1)
     d = lm.layout.head_dim
     k = torch.arange(2 * 3 * d, dtype=torch.float32).reshape(1, 2, 3, d)
     for i in range(kv.num_layers):
         kv.write(i, k, k + 1)
     kv.length = 3
-    k2 = torch.full((1, 2, 5, d), 7.0)
-    keys, values = kv.write(0, k2, k2)  # 3 + 5 > 4: the buffer grows
-    assert keys.shape[-2] == 8 and kv.layer(0)[0].shape[-2] >= 8
-    assert torch.equal(keys[:, :, :3], k) and torch.equal(values[:, :, 3:], k2)
+    keys, values = kv.write(0, torch.full((1, 2, 5, d), 7.0), torch.full((1, 2, 5, d), 8.0))
+    assert keys.shape[-2] == 8 and torch.equal(keys[:, :, :3], k) and torch.all(values[:, :, 3:] == 8.0)
+    assert all(torch.all(t == 0) for t in neighbour.layer(0))  # the slot next door is untouched
+    with pytest.raises(ValueError, match="past its slot"):
+        kv.write(1, torch.zeros(1, 2, 6, d), torch.zeros(1, 2, 6, d))  # 3 + 6 > 8
     kv.crop(2)
     assert kv.length == 2 and all(kk.shape[-2] == 2 for kk, _ in kv.layers())
-    assert kv.nbytes_reserved >= 8 * lm.layout.bytes_per_token
+    pool.release(kv.slot)
+    assert pool.acquire() == 0  # the lowest free slot comes back first
+    with pytest.raises(ValueError, match="twice"):
+        pool.release(2)
 
 
 def test_text_stream_holds_back_a_possible_stop_and_cuts_at_it():
