@@ -1,16 +1,26 @@
-"""One running job between steps: its reused KV, how much of its prompt is fed, what it has generated.
+"""One admitted job between steps: its slot and reused KV, how much of its prompt is fed, what it generated.
 
-The worker decides what runs in each step; a JobState says what its job needs next (`next_tokens`) and
-takes the result (`advance`). Prefill reuses the longest stored KV prefix for the job's tenant and model
-and computes only the rest; a stored chunk that fails to load is never fatal: the job recomputes from
-scratch. When the job ends, the KV of every token it fed (prompt + answer) goes back to the store,
-which keeps only the chunks it lacks.
+A job's life is an explicit `Status`:
+
+    RESTORING   its stored prefix is still being read into its slot: steps leave it out (unless nothing
+                else can run, and then it computes while its layers arrive)
+    PREFILLING  feeding prompt tokens, in chunks under the step's token budget
+    DECODING    one sampled token per step
+    SAVING      ended (its last text is sent); its KV is being handed to the store off the step thread,
+                then `Finished` goes out and the slot is free
+    DONE        nothing left: the slot is back in the pool
+
+The worker decides what runs in each step; a JobState says what it needs next (`next_tokens`) and takes
+the result (`advance`). Prefill reuses the longest stored KV prefix for the job's tenant and model and
+computes only the rest; a stored chunk that fails to load is never fatal: the job recomputes.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 
 import torch
@@ -19,6 +29,7 @@ from kvtier import KVLoadError, KVStore, PrefixMatch, RestoredKV
 
 from .job_kv import JobKV
 from .jobs import Failed, Finished, FirstToken, Job, TextDelta
+from .kv_slots import SlotPool
 from .loader import LoadedModel
 from .realign import Realignment, ShiftedKV, ShiftStats, find_realignment, used_tokens_by_tier
 from .rope_shift import RopeShift
@@ -27,6 +38,18 @@ from .text_stream import TextStream
 
 log = logging.getLogger("attnstore.runner")
 
+# How often the save hand-off says it still waits for a restore to settle (a restore reads from memory or
+# disk: this only makes a hang visible).
+SETTLE_TIMEOUT_S = 60.0
+
+
+class Status(enum.Enum):
+    RESTORING = "restoring"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    SAVING = "saving"
+    DONE = "done"
+
 
 class JobState:
     def __init__(
@@ -34,6 +57,8 @@ class JobState:
         job: Job,
         lm: LoadedModel,
         store: KVStore | None,
+        pool: SlotPool,
+        slot: int,
         *,
         rope: RopeShift | None = None,
         shift_stats: ShiftStats | None = None,
@@ -41,10 +66,11 @@ class JobState:
         self.job = job
         self.lm = lm
         self.store = store if job.request.reuse else None
+        self.pool = pool
+        self.slot = slot
         req = job.request
         self.sampler = Sampler(req.sampling)
         self.text = TextStream(lm.tokenizers.get(), req.sampling.stop)
-        self.capacity = len(req.prompt_ids) + req.sampling.max_tokens
         self.fed_ids: list[int] = []  # tokens whose KV is in self.kv
         self.generated: list[int] = []
         self.pending_token: int | None = None  # sampled, not yet fed
@@ -55,15 +81,15 @@ class JobState:
         self.shift_stats = shift_stats
         self.realigned: Realignment | None = None  # the kept turns' KV, moved after a truncation
         self._pins = ExitStack()
-        self.kv = JobKV(lm.layout, lm.device, self.capacity)
-        self.finished = False
+        self.kv = JobKV(pool, slot)
+        self.status = Status.PREFILLING
         self.finish_reason: str | None = None
         self._retried_lookup = False  # recompute() looks the prompt up again once
 
     # -- start ----------------------------------------------------------------------------------------
 
     def begin(self) -> None:
-        """Find the stored prefix and start restoring it in the background (never waits for it)."""
+        """Find the stored prefix and start restoring it into the slot (never waits for it)."""
         req = self.job.request
         if self.store is None:
             return
@@ -75,10 +101,11 @@ class JobState:
             return
         self._pins.enter_context(self.store.acquire(match))
         self.match = match
-        self.restored = self.store.load(match, capacity=self.capacity)
-        self.kv = JobKV(self.lm.layout, self.lm.device, self.capacity, self.restored, match.tokens)
+        self.restored = self.store.load(match, out=self.kv.restore_targets())
+        self.kv = JobKV(self.pool, self.slot, self.restored, match.tokens)
         self.fed_ids = list(req.prompt_ids[: match.tokens])
         self.reused = match.tokens
+        self.status = Status.RESTORING
 
     def _begin_shifted(self, in_place: int) -> bool:
         """A truncated turn: restore the session's previous sequence and move the kept turns' KV to their
@@ -92,22 +119,31 @@ class JobState:
             return False
         source = self.store.lookup(req.namespace, previous[: found.source_end], count=False)
         found = found.within(source.tokens)
-        if found is None or found.reused <= in_place:
+        if found is None or found.reused <= in_place or found.source_end > self.pool.capacity:
             return False
         self._pins.enter_context(self.store.acquire(source))
         self.match = source
-        self.restored = self.store.load(source, capacity=max(self.capacity, found.source_end))
+        self.restored = self.store.load(source, out=self.kv.restore_targets())
         shifted = ShiftedKV(self.restored, found, self.rope)
-        self.kv = JobKV(self.lm.layout, self.lm.device, self.capacity, shifted, found.reused)
+        self.kv = JobKV(self.pool, self.slot, shifted, found.reused)
         self.fed_ids = list(req.prompt_ids[: found.reused])
         self.reused = found.reused
         self.realigned = found
+        self.status = Status.RESTORING
         return True
 
+    def release_pins(self) -> None:
+        """Let the store evict the matched chunks again (they are in the slot, or no longer needed)."""
+        self._pins.close()
+
     @property
-    def restoring(self) -> bool:
-        """Its stored KV is still being read: a batch with other jobs leaves it out (never waits on a disk)."""
+    def restore_pending(self) -> bool:
+        """Its restore is still writing into the slot (the slot may not be reused before it is over)."""
         return self.restored is not None and not self.restored.ready
+
+    @property
+    def computing(self) -> bool:
+        return self.status in (Status.RESTORING, Status.PREFILLING, Status.DECODING)
 
     def wait_restore(self, timeout: float) -> None:
         """Block until the restore is ready or `timeout` seconds pass (overlap_with_compute off)."""
@@ -124,16 +160,19 @@ class JobState:
             self.recompute(exc)
         else:
             self.restored = None
+            if self.status is Status.RESTORING:
+                self.status = Status.PREFILLING
 
     def recompute(self, exc: BaseException) -> None:
+        """The stored KV could not be read: start over without it (the store dropped the bad chunks, so a
+        second lookup still reuses the valid ones before them)."""
         log.warning("stored KV unreadable (%s); recomputing the prompt", exc)
         self._pins.close()
         self.match, self.restored, self.reused, self.realigned = None, None, 0, None
-        self.kv.drop_restored()
+        self.kv = JobKV(self.pool, self.slot)
         self.fed_ids = []
+        self.status = Status.PREFILLING
         if not self._retried_lookup:
-            # The store has dropped every bad chunk of the match by now: look up again once, so the
-            # valid chunks before the first bad one are still reused (issue 13).
             self._retried_lookup = True
             try:
                 self.begin()
@@ -141,7 +180,8 @@ class JobState:
                 log.warning("a second lookup after a failed restore failed; recomputing", exc_info=True)
                 self._pins.close()
                 self.match, self.restored, self.reused, self.fed_ids = None, None, 0, []
-                self.kv.drop_restored()
+                self.kv = JobKV(self.pool, self.slot)
+                self.status = Status.PREFILLING
 
     # -- steps ----------------------------------------------------------------------------------------
 
@@ -172,7 +212,7 @@ class JobState:
             self.fail(exc)
 
     def _first_token(self, logits: torch.Tensor) -> None:
-        self._pins.close()  # the restored KV lives in the job's own buffers now
+        self._pins.close()  # the restored KV lives in the job's slot now
         token = self.sampler(logits)
         tiers = self._reused_by_tier()
         if self.realigned is not None and self.shift_stats is not None:
@@ -187,6 +227,7 @@ class JobState:
                 position_shift=self.realigned.shift if self.realigned else 0,
             )
         )
+        self.status = Status.DECODING
         self._accept(token)
 
     def _reused_by_tier(self) -> dict[str, int]:
@@ -199,7 +240,7 @@ class JobState:
         return {str(t): n for t, n in self.match.tokens_by_tier().items()}
 
     def _accept(self, token: int) -> None:
-        if token in self.lm.eos_token_ids:
+        if token in self.lm.eos_token_ids and not self.job.request.sampling.ignore_eos:
             self.finish("stop")
             return
         self.generated.append(token)
@@ -216,47 +257,63 @@ class JobState:
     # -- end ------------------------------------------------------------------------------------------
 
     def fail(self, exc: BaseException, *, status: int = 500, code: str | None = None) -> None:
+        """End with an error; the slot is kept until a restore still writing into it is over."""
         log.error("job failed: %s", exc, exc_info=exc if status == 500 else None)
-        self._end()
+        self._pins.close()
         self.job.emit(Failed(f"local generation failed: {exc}", status=status, code=code))
+        self.finish_reason = "error"
+        self.status = Status.SAVING  # nothing to save; the hand-off only waits for the restore
 
     def finish(self, reason: str) -> None:
-        self._end()
+        """End normally (stop, length) or cancelled: the last text goes out now; the KV goes to the store
+        and `Finished` follows from the save hand-off (see `save`), off the step thread."""
+        self._pins.close()
         self.finish_reason = reason
         rest = self.text.finish() if reason != "cancelled" else ""
         if rest:
             self.job.emit(TextDelta(rest))
-        keys = self._save()
-        req = self.job.request
-        self.job.emit(
-            Finished(
-                finish_reason=reason,
-                prompt_tokens=len(req.prompt_ids),
-                completion_tokens=len(self.generated),
-                reused_tokens=self.reused,
-                chunk_keys=keys,
-            )
-        )
+        self.status = Status.SAVING
 
-    def _end(self) -> None:
-        self._pins.close()
-        self.finished = True
-
-    def _save(self) -> list[str]:
-        """Hand the KV of every fed token to the store before the job reports its end, so the client's
-        next turn (which may follow at once) finds it. The store copies only chunks it lacks."""
+    def save(self) -> None:
+        """The save hand-off (a thread of the runner's, never the step's): wait for a restore still
+        settling, give the KV of every fed token to the store, which copies only the chunks it lacks,
+        then report the end. `Finished` carries the chunk keys, so the proxy records the session before
+        the client sees the end of the answer (its next turn finds the KV)."""
+        keys: list[str] = []
         if self.restored is not None:
-            if len(self.fed_ids) <= self.reused:
-                return []  # cancelled before computing anything: all it holds is stored already
-            # It ended on its first step, which read every layer while the store was still settling
-            # the restore (promotion, unpinning): the KV is complete, only the bookkeeping lags.
-            self.restored.wait_ready(10.0)
-            self.settle_restore()
+            # The slot is reused once this returns: the restore must have stopped writing into it.
+            while not self.restored.wait_ready(SETTLE_TIMEOUT_S):
+                log.warning("a restore has not settled in %.0f s; its slot waits for it", SETTLE_TIMEOUT_S)
+            try:
+                self.restored.wait()
+                self.restored = None  # it ended on its first step while the store was still settling
+            except KVLoadError:
+                pass  # nothing restored that could be saved; the answer (if any) stands
+        if self.finish_reason != "error":
+            keys = self._put()
+            req = self.job.request
+            self.job.emit(
+                Finished(
+                    finish_reason=self.finish_reason or "stop",
+                    prompt_tokens=len(req.prompt_ids),
+                    completion_tokens=len(self.generated),
+                    reused_tokens=self.reused,
+                    chunk_keys=keys,
+                )
+            )
+        self.status = Status.DONE
+
+    def _put(self) -> list[str]:
         if self.store is None or not self.fed_ids or self.restored is not None:
-            return []
+            return []  # nothing to save, or a restore that failed or never settled
+        if len(self.fed_ids) <= self.reused:
+            return []  # cancelled before computing anything: all it holds is stored already
         req = self.job.request
         try:
             return self.store.put(req.namespace, self.fed_ids, self.kv.layers(), session=req.session)
         except Exception:  # saving is an optimisation: the answer stands without it
             log.exception("saving KV failed; the answer is unaffected")
             return []
+
+
+SaveHandoff = Callable[[JobState], None]

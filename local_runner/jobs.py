@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from .sampling import SamplingParams
@@ -25,6 +25,10 @@ class GenerationRequest:
     hint_keys: Sequence[str] = ()  # KV chunk keys another replica may have saved on the shared disk
     previous_keys: Sequence[str] = ()  # a truncated turn: the session's previous sequence, as chunk keys
     reuse: bool = True
+    client: str = ""  # who is asking (a tenant, or an address without a key): admission is fair per client
+    # A miss that the upstream could serve instead (it serves the same model): while it waits, a hit
+    # that finds the queue full may take its place, and it goes upstream (cost-aware routing).
+    may_overflow: bool = False
 
 
 @dataclass
@@ -57,23 +61,35 @@ class Failed:
     message: str
     status: int = 500  # what the proxy answers when nothing was sent yet
     code: str | None = None  # OpenAI error code, when there is one
+    retry_after_s: float | None = None  # a 429: when the client may try again
 
 
 Event = FirstToken | TextDelta | Finished | Failed
 
 
 class Job:
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        on_cancel: Callable[[Job], None] | None = None,
+    ):
         self.request = request
         self.submitted_at = time.monotonic()  # queue wait = admission - this
         self._loop = loop
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancelled = threading.Event()
+        self._on_cancel = on_cancel
         self.done = False
 
     def cancel(self) -> None:
-        """Called from the event loop when the client goes away; the worker drops the job at its next step."""
+        """Called from the event loop when the client goes away: a waiting job leaves the queue at once
+        (the runner's `on_cancel`), a running one is dropped at the worker's next step."""
+        if self._cancelled.is_set():
+            return
         self._cancelled.set()
+        if self._on_cancel is not None:
+            self._on_cancel(self)
 
     @property
     def cancelled(self) -> bool:

@@ -12,3 +12,6 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # vLLM's extension, for benchmarks and tests that need answers of a fixed length: decode on past the
+    # end-of-sequence token until max_tokens.
+    ignore_eos: bool = False

@@ -8,17 +8,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvtier import KVStore, PrefixMatch, Schedule, StoreStats, available_memory_bytes
 
 from .job_kv import JobKV
 from .job_state import JobState
 from .jobs import GenerationRequest, Job
+from .kv_slots import SlotPool, cuda_capacity
 from .loader import LoadedModel
 from .packed_attention import can_pack, use_packed_attention
 from .prompt import PromptError, fit_history, render_prompt
 from .realign import ShiftStats
 from .rope_config import rope_shift_for
 from .rope_shift import RopeShift
+from .scheduler import Scheduler, SchedulerConfig
 from .step import Work, run_packed, run_per_job
 from .worker import Worker
 
@@ -35,6 +39,7 @@ class RunnerStats:
     shifted_tokens: int = 0  # the tokens so moved
     admitted: int = 0  # jobs taken from the queue so far
     queue_wait_seconds: float = 0.0  # their time in the queue, summed (mean = this / admitted)
+    waiting_clients: int = 0  # clients with jobs in the queue (admission alternates between them)
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,9 @@ class RenderedPrompt:
 
 
 class Runner:
+    """Implements the worker's hooks (worker.RunnerHooks): starting jobs, the stores' view of the queue,
+    memory pressure, and the forward itself."""
+
     def __init__(
         self,
         models: Mapping[str, LoadedModel],
@@ -58,6 +66,7 @@ class Runner:
         truncate_on_overflow: bool = False,
         decouple: bool = False,
         batch: bool = True,
+        batch_invariant: bool = False,
         scheduler_aware: bool = True,
         overlap_with_compute: bool = True,
         evict_on_pressure: bool = True,
@@ -72,6 +81,7 @@ class Runner:
         self._queued_matches: dict[int, PrefixMatch] = {}  # id(job) -> its stored prefix, while queued
         self._max_context = max_context_tokens
         self._truncate = truncate_on_overflow
+        self.batch_invariant = batch_invariant
         # decouple: a truncated turn moves the kept turns' stored KV to its new positions, for models whose
         # RoPE allows an exact move; the others recompute after a truncation (said once, here).
         self._rope: dict[str, RopeShift] = {}
@@ -85,22 +95,18 @@ class Runner:
         self.shift_stats = ShiftStats()
         # batch=False: one forward per job per step for every model (a benchmark's same-run baseline).
         self._packed = {name: batch and self._choose_step(lm) for name, lm in self.models.items()}
-        self._worker = Worker(
-            self._start_job,
-            self._prefetch,
+        self.pools = {name: self._make_pool(lm, max_running) for name, lm in self.models.items()}
+        config = SchedulerConfig(
             max_queue=max_queue,
             max_running=max_running,
             lookahead=lookahead,
-            max_batch_tokens=max_batch_tokens,
+            max_batch_tokens=max(1, max_batch_tokens),
             kv_budget_bytes=kv_budget_bytes,
-            job_bytes=self._job_bytes,
-            packed=lambda state: self._packed[state.job.request.model],
-            warmup=self._warmup,
-            on_queue_change=self._publish_schedule if scheduler_aware and self.stores else None,
-            admission_error=self._memory_refusal,
             overlap=overlap_with_compute,
-            on_oom=self._free_device_memory,
+            batch_invariant=batch_invariant,
         )
+        self.scheduler = Scheduler(config, self.pools, self._job_bytes)
+        self._worker = Worker(self.scheduler, self)
 
     @staticmethod
     def _choose_step(lm: LoadedModel) -> bool:
@@ -112,13 +118,34 @@ class Runner:
         log.info("model %s: one forward per job (no batched steps): %s", lm.name, reason)
         return False
 
+    def _make_pool(self, lm: LoadedModel, slots: int) -> SlotPool:
+        """The model's KV pool: a slot per running job, each with room for the whole context (on the CPU
+        pages are taken only as jobs write them; on CUDA the context a job may hold is cut to what half
+        of the free device memory can give every slot)."""
+        capacity = self._context_cap(lm)
+        if lm.device.type == "cuda":
+            fit = cuda_capacity(lm.layout, lm.device, slots, capacity)
+            if fit < capacity:
+                log.warning(
+                    "model %s: %d KV slots of %d tokens fit the device; prompt + answer is limited to that",
+                    lm.name,
+                    slots,
+                    fit,
+                )
+            capacity = fit
+        return SlotPool(lm.layout, lm.device, slots, capacity)
+
+    def _context_cap(self, lm: LoadedModel) -> int:
+        limit = lm.max_context
+        return min(limit, self._max_context) if self._max_context else limit
+
     def serves(self, model: str) -> bool:
         return model in self.models
 
     def context_limit(self, model: str) -> int:
-        """Prompt + answer tokens a job may hold: the model's context, or less where settings say so."""
-        limit = self.models[model].max_context
-        return min(limit, self._max_context) if self._max_context else limit
+        """Prompt + answer tokens a job may hold: the model's context, or less where settings (or, on
+        CUDA, the device memory for its KV slots) say so."""
+        return self.pools[model].capacity
 
     def render(self, model: str, messages: Sequence[dict[str, Any]], reserve: int = 1) -> list[int]:
         """Prompt token ids, leaving `reserve` tokens of the context for the answer (see render_turn)."""
@@ -146,26 +173,34 @@ class Runner:
             )
         return RenderedPrompt(ids, dropped)
 
-    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Job:
-        """Queue a job (raises worker.QueueFull when the queue is full). max_tokens is capped so that
-        prompt + answer fit the model's context."""
+    def submit(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None, *, hit: bool = False
+    ) -> Job:
+        """Queue a job in its client's queue (admission.py: QueueFull when nothing can take it, OverShare
+        past the client's share while others wait). `hit`: its KV is stored here; at a full queue it may
+        take the place of a waiting miss the upstream can serve. max_tokens is capped so that prompt +
+        answer fit the model's context."""
         room = self.context_limit(request.model) - len(request.prompt_ids)
         request.sampling.max_tokens = max(1, min(request.sampling.max_tokens, room))
-        job = Job(request, loop or asyncio.get_running_loop())
-        self._worker.submit(job)
+        job = Job(request, loop or asyncio.get_running_loop(), on_cancel=self.scheduler.drop_waiting)
+        self.scheduler.submit(job, hit=hit)
         return job
 
     @property
     def queue_depth(self) -> int:
-        return self._worker.queued
+        return len(self.scheduler.queue)
 
     @property
     def running(self) -> int:
-        return self._worker.running
+        return sum(1 for s in self.scheduler.running if s.computing)
 
     @property
     def cancelled(self) -> int:
-        return self._worker.cancelled
+        return self.scheduler.cancelled
+
+    def waiting_jobs(self) -> list[Job]:
+        """The waiting jobs in the order they will be admitted (round-robin between clients)."""
+        return self.scheduler.window()
 
     def stats(self) -> RunnerStats:
         """A snapshot of the queue and of every model's store; safe from any thread (the stores lock
@@ -177,8 +212,9 @@ class Runner:
             stores={name: store.stats() for name, store in self.stores.items()},
             shifted_turns=self.shift_stats.turns,
             shifted_tokens=self.shift_stats.tokens,
-            admitted=self._worker.admitted,
-            queue_wait_seconds=self._worker.queue_wait_seconds,
+            admitted=self.scheduler.admitted,
+            queue_wait_seconds=self.scheduler.queue_wait_seconds,
+            waiting_clients=self.scheduler.queue.clients(),
         )
 
     def describe(self) -> dict[str, dict[str, object]]:
@@ -188,6 +224,9 @@ class Runner:
                 "device": str(lm.device),
                 "dtype": str(lm.dtype).removeprefix("torch."),
                 "batched": self._packed[name],
+                "batch_invariant": self.batch_invariant,
+                "kv_slots": self.pools[name].slots,
+                "context": self.pools[name].capacity,
             }
             for name, lm in self.models.items()
         }
@@ -209,26 +248,46 @@ class Runner:
         self._worker.close()
         for store in self.stores.values():
             store.close()
+        for pool in self.pools.values():
+            pool.close()
 
-    def _warmup(self) -> None:
+    # -- the worker's hooks (worker.RunnerHooks) ------------------------------------------------------
+
+    def warmup(self) -> None:
         """One short step per model on the worker thread, so the first client does not pay for lazy
         initialisation (kernels, allocator arenas): it made a 40-token first prefill ~2 s slower."""
         for name, lm in self.models.items():
-            kv = JobKV(lm.layout, lm.device, 16)
-            run = run_packed if self._packed[name] else run_per_job
-            run(lm, [Work(kv, [lm.tokenizer.eos_token_id or 0] * 8, want_logits=True)])
-            run(lm, [Work(kv, [lm.tokenizer.eos_token_id or 0], want_logits=True)])
+            kv = JobKV.standalone(lm.layout, lm.device, 16)
+            token = lm.tokenizer.eos_token_id or 0
+            self._forward(name, [Work(kv, [token] * 8, want_logits=True)])
+            self._forward(name, [Work(kv, [token], want_logits=True)])
+            kv.pool.close()
+
+    def run(self, items: list[tuple[JobState, Work]]) -> list[torch.Tensor | None]:
+        """One forward over the step's work (every item is of one model)."""
+        return self._forward(items[0][0].job.request.model, [w for _, w in items])
+
+    def _forward(self, model: str, work: list[Work]) -> list[torch.Tensor | None]:
+        lm = self.models[model]
+        if self._packed[model]:
+            return run_packed(lm, work, batch_invariant=self.batch_invariant)
+        return run_per_job(lm, work)
+
+    def packed(self, state: JobState) -> bool:
+        return self._packed[state.job.request.model]
 
     def _job_bytes(self, job: Job) -> int:
         req = job.request
         return (len(req.prompt_ids) + req.sampling.max_tokens) * self.models[req.model].layout.bytes_per_token
 
-    def _start_job(self, job: Job) -> JobState:
+    def start_job(self, job: Job, pool: SlotPool, slot: int) -> JobState:
         req = job.request
         return JobState(
             job,
             self.models[req.model],
             self.stores.get(req.model),
+            pool,
+            slot,
             rope=self._rope.get(req.model),
             shift_stats=self.shift_stats,
         )
@@ -246,14 +305,16 @@ class Runner:
             self._queued_matches[id(job)] = match
         return match
 
-    def _prefetch(self, job: Job) -> None:
+    def prefetch(self, job: Job) -> None:
         match = self._queued_match(job)
         if match is not None and match.tokens:
             self.stores[job.request.model].prefetch(match)
 
-    def _publish_schedule(self, prefilling: list[JobState], pending: list[Job]) -> None:
+    def publish_queue(self, prefilling: list[JobState], pending: list[Job]) -> None:
         """The queue as each model's store sees it: chunks of jobs still restoring or prefilling and of
         the look-ahead window are protected; other queued jobs' chunks go from the back of the queue."""
+        if not (self._scheduler_aware and self.stores):
+            return
         waiting = {id(j) for j in pending}
         self._queued_matches = {k: m for k, m in self._queued_matches.items() if k in waiting}
         for name, store in self.stores.items():
@@ -268,7 +329,7 @@ class Runner:
                 queue.append([c.key for c in match.chunks] if match is not None else [])
             store.set_schedule(Schedule.from_queue(running, queue, self._lookahead))
 
-    def _memory_refusal(self, job: Job) -> str | None:
+    def admission_error(self, job: Job) -> str | None:
         """Before a job's buffers are allocated: is the machine short of memory (below the configured
         free memory, whatever the tier capacities say)? With evict_on_pressure the stores drop memory
         copies of chunks that are safe on disk and the job runs; without, it is refused (503)."""
@@ -282,6 +343,8 @@ class Runner:
             return None
         mb = 1024 * 1024
         if self._evict_on_pressure:
+            for pool in self.pools.values():
+                pool.give_back()  # pages of free KV slots, first (what they held is gone already)
             freed = sum(store.shed_memory(short) for store in self.stores.values())
             log.warning(
                 "memory pressure: %d MB available, %d MB to keep free; dropped %d MB of stored KV from memory",
@@ -295,7 +358,7 @@ class Runner:
             f"{self._min_free // mb} MB kept free); retry later"
         )
 
-    def _free_device_memory(self) -> bool:
+    def free_device_memory(self) -> bool:
         """A CUDA out-of-memory in a step: with evict_on_pressure, demote L0 (the device tier) and let
         the step run again; without, the job fails (503)."""
         if not self._evict_on_pressure:

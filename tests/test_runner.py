@@ -7,11 +7,11 @@ import asyncio
 import pytest
 import torch
 
+from local_runner.admission import QueueFull
 from local_runner.jobs import Failed, Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.prompt import PromptError
 from local_runner.runner import Runner
 from local_runner.sampling import SamplingParams
-from local_runner.worker import QueueFull
 from tests.model_fixture import MODEL
 
 pytestmark = pytest.mark.model

@@ -1,0 +1,213 @@
+"""The scheduler: who waits, who runs, and what each step feeds (nano-vllm's `Scheduler`, for this runner).
+
+It owns the waiting jobs (admission.py: per-client queues, round-robin), the running jobs' states and
+the KV slots they hold, and it plans each step:
+
+- `admit()`: the next jobs in the rotation that fit (a free slot of their model's pool, `max_running`,
+  and the KV budget); the worker starts them (lookup, restore).
+- `plan()`: one step's work: one decode token for every decoding job, then prompt chunks of prefilling
+  jobs under `max_batch_tokens` (chunked prefill). A job whose restore is still reading stays out
+  (a step never waits on a disk) unless nothing else can run. With `batch_invariant`, a prompt's
+  chunks are cut where the job alone would cut them (its own fixed chunk size, not what is left of a
+  shared budget), so its KV and logits do not depend on the company it keeps.
+- `finished()`: jobs that left the step (ended); the worker hands them to the save hand-off, which
+  frees their slots.
+
+Thread safety: `submit` and `cancel` come from the event loop's threads; everything else runs on the
+worker's thread. One condition variable (`cond`) guards the queue and wakes the worker.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from .admission import AdmissionQueue, OverShare, QueueFull
+from .job_state import JobState, Status
+from .jobs import Failed, Finished, Job
+from .kv_slots import SlotPool
+from .step import Work
+
+# The least a step gives prefill when decoding jobs use up the budget, so a new turn always advances.
+MIN_PREFILL_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_queue: int
+    max_running: int
+    lookahead: int = 1
+    max_batch_tokens: int = 512
+    kv_budget_bytes: int = 0  # 0: no limit beyond max_running
+    overlap: bool = True  # a job may compute while its layers still load (when it runs alone)
+    batch_invariant: bool = False
+
+    @property
+    def invariant_chunk(self) -> int:
+        """A prompt chunk's size with batch_invariant: the same whatever else runs."""
+        return max(MIN_PREFILL_TOKENS, self.max_batch_tokens - self.max_running)
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, pools: Mapping[str, SlotPool], job_bytes: Callable[[Job], int]
+    ):
+        self.config = config
+        self.pools = dict(pools)
+        self._job_bytes = job_bytes
+        self.cond = threading.Condition()
+        self.queue = AdmissionQueue(config.max_queue, config.max_running)
+        self.running: list[JobState] = []
+        self.starting = 0  # taken from the queue by admit(), not yet in `running`
+        self.stopping = False
+        self.admitted = 0  # jobs taken from the queue so far
+        self.queue_wait_seconds = 0.0  # their time in the queue, summed
+        self.cancelled = 0  # jobs stopped because their client went away
+
+    # -- event loop side ------------------------------------------------------------------------------
+
+    def submit(self, job: Job, *, hit: bool = False) -> None:
+        """Queue a job (QueueFull: 503 or upstream; OverShare: 429). A job it displaces ends at once:
+        with 429 (its client was over its share), or as `queue_full` (a miss the upstream takes)."""
+        with self.cond:
+            if self.stopping:
+                raise QueueFull("the local runner is shutting down")
+            displaced = self.queue.submit(
+                job, len(self.running) + self.starting, self.retry_after_s(), hit=hit
+            )
+            self.cond.notify_all()
+        if displaced is not None and displaced.reason == "overflow":
+            displaced.job.emit(
+                Failed("a hit took this miss's place in the full local queue", status=503, code="queue_full")
+            )
+        elif displaced is not None:
+            displaced.job.emit(
+                Failed(
+                    "another client needed this request's place in the local queue (this client holds more "
+                    "than its share); retry later",
+                    status=429,
+                    code="too_many_requests",
+                    retry_after_s=self.retry_after_s(),
+                )
+            )
+
+    def drop_waiting(self, job: Job) -> None:
+        """Its client went away (Job.cancel): a waiting job leaves the queue now (its place, its
+        look-ahead window place and prefetch protection go with it); a running one ends at the next
+        step."""
+        with self.cond:
+            removed = self.queue.remove(job)
+            if removed:
+                self.cancelled += 1
+                self.cond.notify_all()
+        if removed:  # it ends now, as a cancelled running job does (nobody may be listening any more)
+            job.emit(Finished("cancelled", len(job.request.prompt_ids), 0, 0))
+
+    def retry_after_s(self) -> float:
+        """What a refused client is told to wait: the mean queue wait so far (at least 1 s)."""
+        return max(1.0, self.queue_wait_seconds / self.admitted) if self.admitted else 1.0
+
+    # -- worker side ----------------------------------------------------------------------------------
+
+    def wait_for_work(self) -> bool:
+        """Block until there is something to do; False once the runner stops."""
+        with self.cond:
+            while not self.stopping and not len(self.queue) and not self.running:
+                self.cond.wait()
+            return not self.stopping
+
+    def admit(self) -> list[tuple[Job, SlotPool, int]]:
+        """The next waiting jobs that fit, each with the slot it now holds (round-robin between clients).
+        A job that does not fit (no slot of its model, or past the KV budget while others run) waits,
+        and so does everything behind it: admission order is the fairness."""
+        taken: list[tuple[Job, SlotPool, int]] = []
+        reserved = sum(self._job_bytes(s.job) for s in self.running if s.computing)
+        computing = sum(1 for s in self.running if s.computing)
+        with self.cond:
+            while len(self.queue) and computing + len(taken) < self.config.max_running:
+                job = self.queue.peek()
+                assert job is not None
+                need = self._job_bytes(job)
+                budget = self.config.kv_budget_bytes
+                if budget and (computing or taken) and reserved + need > budget:
+                    break
+                pool = self.pools[job.request.model]
+                slot = pool.acquire()
+                if slot is None:
+                    break  # its model's slots are all held (some by jobs still saving)
+                self.queue.pop()
+                taken.append((job, pool, slot))
+                reserved += need
+            self.starting = len(taken)
+        for job, _, _ in taken:
+            self.admitted += 1
+            self.queue_wait_seconds += time.monotonic() - job.submitted_at
+        return taken
+
+    def started(self, state: JobState | None) -> None:
+        """An admitted job is running (or could not start: None)."""
+        with self.cond:
+            self.starting = max(0, self.starting - 1)
+            if state is not None:
+                self.running.append(state)
+
+    def window(self) -> list[Job]:
+        """The waiting jobs in admission order (the look-ahead window is its head)."""
+        with self.cond:
+            return list(self.queue.in_order())
+
+    def plan(self) -> list[tuple[JobState, Work]]:
+        live = [s for s in self.running if s.computing]
+        for s in live:
+            s.settle_restore()
+        ready = [s for s in live if s.status is not Status.RESTORING]
+        if not ready and live:
+            if not self.config.overlap:
+                live[0].wait_restore(0.05)  # nothing else to run: wait for its restore, not for long
+                return []
+            ready = live[:1]  # nothing else to run: this one computes while its layers load
+        plan: list[tuple[JobState, Work]] = []
+        decoding = [s for s in ready if not s.prefilling]
+        for s in decoding:
+            plan.append((s, Work(s.kv, s.next_tokens(1), want_logits=True)))
+        budget = max(self.config.max_batch_tokens - len(decoding), MIN_PREFILL_TOKENS)
+        for s in ready:
+            if budget <= 0:
+                break
+            if s.prefilling:
+                want = self.config.invariant_chunk if self.config.batch_invariant else budget
+                tokens = s.next_tokens(want)
+                done = len(s.fed_ids) + len(tokens) >= len(s.job.request.prompt_ids)
+                plan.append((s, Work(s.kv, tokens, want_logits=done)))
+                budget -= len(tokens)
+        return plan
+
+    def cancelled_running(self) -> list[JobState]:
+        """Running jobs whose client went away (they end now)."""
+        return [s for s in self.running if s.computing and s.job.cancelled]
+
+    def ended(self) -> list[JobState]:
+        """Jobs that ended in the last step (their save hand-off is next); they leave `running`."""
+        with self.cond:
+            done = [s for s in self.running if s.status is Status.SAVING]
+            self.running = [s for s in self.running if s.status is not Status.SAVING]
+            return done
+
+    def release(self, state: JobState) -> None:
+        """The save hand-off is over: the slot goes back to the pool and the worker may admit again."""
+        state.pool.release(state.slot)
+        with self.cond:
+            self.cond.notify_all()
+
+    def stop(self) -> list[Job]:
+        """No more work: every job not ended (waiting or running) is returned to be failed."""
+        with self.cond:
+            self.stopping = True
+            jobs = [s.job for s in self.running if s.computing] + self.queue.drain()
+            self.cond.notify_all()
+            return jobs
+
+
+__all__ = ["OverShare", "QueueFull", "Scheduler", "SchedulerConfig"]
