@@ -73,7 +73,6 @@ def derive_settings(base: Settings, spec: TargetSpec, base_dir: Path) -> Setting
         lr["dtype"] = spec.dtype
     raw["proxy"]["port"] = 0
     raw["proxy"]["api_keys"] = []
-    raw["proxy"]["max_concurrent_per_client"] = 0  # one bench client plays many users
     raw["proxy"]["log_level"] = "warning"
     return parse_settings(orjson.dumps(raw), base_dir, env={})
 

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             },
             "local_runner": {"enabled": True, "device": "cpu", "max_queue": 64},
-            "proxy": {"session_index": redis.url, "max_concurrent_per_client": 0},
+            "proxy": {"session_index": redis.url},
         }
         settings = parse_settings(orjson.dumps(raw), Path.cwd(), env={})
         app = build_full_app(settings)

@@ -29,18 +29,32 @@ class SettingsError(ValueError):
     """A settings file that cannot start the proxy; the message is the one line shown to the user."""
 
 
+# Keys an earlier release accepted and this one no longer has, with what replaced them: a file that still
+# sets one stops start-up with that line (accepting and ignoring it would mislead its user).
+REMOVED_KEYS = {
+    ("proxy", "max_concurrent_per_client"): "admission is fair per client now (one queue per client, "
+    "round-robin; 429 only past a client's share of the queue while others wait): delete the key",
+    ("local_runner", "hit_queue_wait_s"): "a turn that finds the queue full no longer waits outside it "
+    "(hits and misses share max_queue): delete the key",
+}
+
+
 class _Strict(Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
+# Eviction policies kvtier implements (kvtier/policies.py): least recently / least frequently used.
+Eviction = Literal["lru", "lfu"]
+
+
 class L0Tier(_Strict):
     capacity_mb: NonNegativeMB = 2048
-    eviction: Literal["lru"] = "lru"
+    eviction: Eviction = "lru"
 
 
 class L1Tier(_Strict):
     capacity_mb: NonNegativeMB = 8192
-    eviction: Literal["lru"] = "lru"
+    eviction: Eviction = "lru"
 
 
 class L2Disk(_Strict):
@@ -109,9 +123,6 @@ class LocalRunnerSettings(_Strict):
     # capacities say; below it, scheduler_aware.evict_on_pressure decides: drop stored KV from memory
     # (it stays on disk) and run, or refuse the job with a 503. 0: no check.
     min_free_memory_mb: NonNegativeInt = 512
-    # When the local queue is full: a turn whose KV is stored (a hit) waits this long for room; a miss
-    # goes upstream at once (when the upstream serves the model) or gets a 503. 0: hits do not wait.
-    hit_queue_wait_s: Annotated[float, Meta(ge=0)] = 30.0
     # Drop each L2 file from the OS page cache once written, so an L2 hit reads the disk (benchmarks of
     # the disk tier, or to leave the page cache to other processes).
     l2_drop_page_cache: bool = False
@@ -143,8 +154,6 @@ class ProxySettings(_Strict):
     admin_keys: list[str] = field(default_factory=list)
     # Listening on anything but loopback without api_keys is refused at start unless this says so.
     allow_unauthenticated_public_bind: bool = False
-    # Local requests one client (key, or remote address when anonymous) may have in flight; 0: no limit.
-    max_concurrent_per_client: NonNegativeInt = 4
     # Threads that tokenize prompts (a bounded pool of its own, never the default executor).
     tokenize_threads: PositiveInt = 2
     max_body_mb: Annotated[float, Meta(gt=0)] = 16
@@ -211,6 +220,18 @@ def _check_values(s: Settings, base_dir: Path, check_paths: bool) -> None:
             raise SettingsError(f"attention_store.tiering.l2_disk.path: {str(l2)!r} is not writable")
 
 
+def _refuse_removed_keys(raw: bytes) -> None:
+    try:
+        doc = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return  # the typed decode says what is wrong with it
+    if not isinstance(doc, dict):
+        return
+    for (section, key), why in REMOVED_KEYS.items():
+        if isinstance(doc.get(section), dict) and key in doc[section]:
+            raise SettingsError(f"{section}.{key} was removed: {why}")
+
+
 def replica_id(settings: Settings) -> str:
     """This replica's name in the session index: proxy.replica_id, else host:port (unique per container)."""
     return settings.proxy.replica_id or f"{socket.gethostname()}:{settings.proxy.port}"
@@ -233,6 +254,7 @@ def parse_settings(
     `check_paths=False` validates a file meant for another machine (a container's settings) without
     creating its L2 folder here."""
     environ = os.environ if env is None else env
+    _refuse_removed_keys(raw)
     try:
         settings = msgspec.json.decode(raw, type=Settings)
     except msgspec.ValidationError as exc:

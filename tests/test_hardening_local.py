@@ -1,5 +1,5 @@
-"""Issue 13 with the local model: an oversized prompt is refused before tokenizing, one client cannot
-hold more than max_concurrent_per_client local requests, and the runner refuses past running + queue."""
+"""Issues 13 and 18 with the local model: an oversized prompt is refused before tokenizing, one client may
+use idle capacity, clients share the queue fairly, and the runner refuses past running + queue (issue 18)."""
 
 from __future__ import annotations
 
@@ -51,46 +51,87 @@ def test_without_an_upstream_an_oversized_body_is_refused_before_it_is_read(loca
     assert http_request("POST", server.url + URL, fits, timeout=60).status == 200
 
 
-async def test_one_client_gets_at_most_max_concurrent_per_client_local_requests(local_proxy):
-    server = local_proxy(proxy={"max_concurrent_per_client": 1})
-    long = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Count to one thousand."}],
-        "max_tokens": 400,
-        "stream": True,
-    }
-    short = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    async with aiohttp.ClientSession() as s:
-        async with s.post(server.url + URL, json=long, headers={"Authorization": "Bearer a"}) as held:
-            assert held.status == 200
-            await held.content.readline()  # the first event: the job is running
-            async with s.post(server.url + URL, json=short, headers={"Authorization": "Bearer a"}) as r:
-                assert r.status == 429
-                assert orjson.loads(await r.read())["error"]["code"] == "too_many_concurrent_requests"
-            async with s.post(server.url + URL, json=short, headers={"Authorization": "Bearer b"}) as r:
-                assert r.status == 200  # another client is served
-        # once the first has ended, the client may send again
-        async with s.post(server.url + URL, json=short, headers={"Authorization": "Bearer a"}) as r:
-            assert r.status == 200
+async def statuses_of(server, bodies: list[dict], headers: dict | None = None) -> list[int]:
+    """Send every body at once, streamed; each client leaves as soon as it has its status (a served
+    stream's headers come with its first token), so a queued job runs as soon as the one before it
+    was served and left."""
 
-
-async def test_past_running_plus_queue_the_rest_get_503_at_once(local_proxy):
-    server = local_proxy(
-        local_runner={"max_queue": 1, "max_running": 1}, proxy={"max_concurrent_per_client": 0}
-    )
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Tell me a long story."}],
-        "max_tokens": 200,
-    }
-
-    async def one(s: aiohttp.ClientSession, i: int) -> int:
-        payload = {**body, "messages": [{"role": "user", "content": f"Story {i}, please."}]}
-        async with s.post(server.url + URL, json=payload) as r:
-            await r.read()
+    async def one(s: aiohttp.ClientSession, body: dict) -> int:
+        async with s.post(server.url + URL, json={**body, "stream": True}, headers=headers) as r:
             return r.status
 
     async with aiohttp.ClientSession() as s:
-        statuses = await asyncio.gather(*(one(s, i) for i in range(6)))
-    # max_running 1 + max_queue 1: two in flight, the other four refused at once (no upstream here)
-    assert set(statuses) <= {200, 503} and statuses.count(200) <= 2 and statuses.count(503) >= 4
+        return list(await asyncio.gather(*(one(s, b) for b in bodies)))
+
+
+def counting(i: int) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Count from one to one thousand, run {i}."}],
+        "max_tokens": 300,
+        "ignore_eos": True,  # vLLM's extension: the answer runs to max_tokens, so a job holds its slot
+    }
+
+
+async def test_one_client_with_twelve_conversations_is_served_whole(local_proxy):
+    """No request is refused while a running slot or a queue place is free, whoever holds the others:
+    one client (one key) with 12 conversations at once and max_running 4 + max_queue 16 gets 12 x 200."""
+    server = local_proxy(local_runner={"max_running": 4, "max_queue": 16})
+    bodies = [
+        {"model": MODEL, "messages": [{"role": "user", "content": f"Name river {i}."}], "max_tokens": 3}
+        for i in range(12)
+    ]
+    assert await statuses_of(server, bodies, {"Authorization": "Bearer one-app"}) == [200] * 12
+
+
+async def test_past_running_plus_queue_the_rest_get_503_hits_and_misses_alike(local_proxy):
+    """max_running 1 + max_queue 2: of 10 conversations at once, 3 are served and 7 refused at once (no
+    upstream here); the same bound holds for 10 identical turns whose prefix is stored (hits wait in
+    the same queue, counted)."""
+    server = local_proxy(local_runner={"max_queue": 2, "max_running": 1})
+    different = await statuses_of(server, [counting(i) for i in range(10)])
+    assert sorted(different) == [200] * 3 + [503] * 7, different
+    first = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Count from one to ten."}],
+        "max_tokens": 8,
+    }
+    r = http_request("POST", server.url + URL, first, timeout=60)
+    assert r.status == 200
+    turn2 = {
+        "model": MODEL,
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "messages": [
+            *first["messages"],
+            {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Now count from one to one thousand."},
+        ],
+    }
+    hits = await statuses_of(server, [turn2] * 10)
+    assert sorted(hits) == [200] * 3 + [503] * 7, hits
+
+
+async def test_a_client_past_its_share_gets_429_with_retry_after_while_another_waits(local_proxy):
+    server = local_proxy(local_runner={"max_queue": 2, "max_running": 1})
+    a = {"Authorization": "Bearer client-a"}
+    async with aiohttp.ClientSession() as s:
+        running = await s.post(server.url + URL, json={**counting(0), "stream": True}, headers=a)
+        assert running.status == 200  # A's first runs; A's next two fill the queue
+        queued = [
+            asyncio.ensure_future(s.post(server.url + URL, json={**counting(i), "stream": True}, headers=a))
+            for i in (1, 2)
+        ]
+        await asyncio.sleep(1.0)  # tokenized and queued (a 2-token prompt takes milliseconds)
+        b = {"Authorization": "Bearer client-b"}
+        b_task = asyncio.ensure_future(
+            s.post(server.url + URL, json={**counting(3), "stream": True}, headers=b)
+        )
+        displaced = await asyncio.wait_for(queued[1], 60)  # A's newest gives its place to B
+        assert displaced.status == 429 and int(displaced.headers["Retry-After"]) >= 1
+        assert orjson.loads(await displaced.read())["error"]["code"] == "too_many_requests"
+        running.close()  # A's first ends; A's second, then B's, are served
+        for task in (queued[0], b_task):
+            r = await asyncio.wait_for(task, 120)
+            assert r.status == 200
+            r.close()

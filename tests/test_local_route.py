@@ -182,10 +182,22 @@ def test_a_prompt_longer_than_the_context_is_a_400_naming_it(local_proxy):
 def test_healthz_names_each_local_models_device_dtype_and_batching(local_proxy):
     server = local_proxy(local_runner={"max_batch_tokens": 64, "max_running_kv_mb": 64})
     doc = orjson.loads(urllib3.request("GET", server.url + "/healthz").data)
-    assert doc["local"][MODEL] == {"device": "cpu", "dtype": "float32", "batched": True}
+    assert doc["local"][MODEL] == {
+        "device": "cpu",
+        "dtype": "float32",
+        "batched": True,
+        "batch_invariant": False,
+        "kv_slots": 4,
+        "context": 8192,
+    }
 
 
-async def test_queue_full_a_miss_goes_upstream_and_a_hit_waits_for_a_local_slot(local_proxy, fake_upstream):
+async def test_queue_full_a_miss_goes_upstream_and_a_hit_takes_a_waiting_misss_place(
+    local_proxy, fake_upstream
+):
+    """Cost-aware routing with a bounded queue: at a full queue a miss goes upstream at once, and a hit
+    takes the place of the miss waiting in the queue, which goes upstream instead; the hit is served
+    locally from its stored KV."""
     server = local_proxy(local_runner={"max_queue": 1, "max_running": 1}, llm_endpoint={"model": MODEL})
     url = server.url + "/v1/chat/completions"
     first = [{"role": "user", "content": "Name a color."}]
@@ -196,19 +208,27 @@ async def test_queue_full_a_miss_goes_upstream_and_a_hit_waits_for_a_local_slot(
         )
         answer = (await turn1.json())["choices"][0]["message"]["content"]
         second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Another?"}]
-        running = await http.post(url, json=long)
-        waiting = asyncio.ensure_future(http.post(url, json={**long, "max_tokens": 2, "stream": False}))
+        running = await http.post(url, json={**long, "ignore_eos": True})
+        # New conversations far longer than the system prompt they share: mostly to compute, misses.
+        topic = "Tell me about rivers, mountains, deserts and oceans of every continent. " * 8
+        other = "Explain how bridges, tunnels, dams and towers are built, step by step. " * 8
+        waiting_body = {
+            **long,
+            "messages": [{"role": "user", "content": other}],
+            "max_tokens": 2,
+            "stream": False,
+        }
+        waiting = asyncio.ensure_future(http.post(url, json=waiting_body))
         await async_wait_until(lambda: runner_is(http, server.url, queued=1), "the queue full", 30)
+        miss = await http.post(url, json={**long, "messages": [{"role": "user", "content": topic}]})
+        assert miss.headers["X-AttentionStore-Route"] == "upstream" and len(fake_upstream.requests) == 1
         hit = asyncio.ensure_future(
             http.post(url, json={"model": MODEL, "messages": second, "max_tokens": 2, "temperature": 0})
         )
-        # A new conversation far longer than the system prompt it shares: mostly to compute, a miss.
-        topic = "Tell me about rivers, mountains, deserts and oceans of every continent. " * 8
-        miss = await http.post(url, json={**long, "messages": [{"role": "user", "content": topic}]})
-        assert miss.headers["X-AttentionStore-Route"] == "upstream" and len(fake_upstream.requests) == 1
-        assert not hit.done()  # the hit waits for room instead of leaving
+        displaced = await asyncio.wait_for(waiting, 60)  # the waiting miss gave its place to the hit
+        assert displaced.status == 200 and displaced.headers["X-AttentionStore-Route"] == "upstream"
+        assert len(fake_upstream.requests) == 2 and not hit.done()
         running.close()
         served = await hit
         assert served.status == 200 and served.headers["X-AttentionStore-Route"] == "local"
         assert served.headers["X-AttentionStore-Cache"] != "miss"
-        await waiting

@@ -111,7 +111,7 @@ def test_serve_starts_and_answers_healthz(tmp_path):
 
 @pytest.mark.parametrize(
     ("section", "key", "value"),
-    [("l0_gpu", "eviction", "lfu"), ("l1_host", "eviction", "fifo"), ("l2_disk", "format", "npz")],
+    [("l0_gpu", "eviction", "mru"), ("l1_host", "eviction", "fifo"), ("l2_disk", "format", "npz")],
 )
 def test_a_tier_policy_or_format_not_implemented_is_refused_at_start(tmp_path, section, key, value):
     bad = tmp_path / "bad.json"
@@ -122,3 +122,19 @@ def test_a_tier_policy_or_format_not_implemented_is_refused_at_start(tmp_path, s
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1
     assert f"attention_store.tiering.{section}.{key}" in lines[0] and value in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [("proxy", "max_concurrent_per_client", 4), ("local_runner", "hit_queue_wait_s", 30)],
+)
+def test_a_removed_setting_stops_start_up_saying_what_replaced_it(tmp_path, section, key, value):
+    """Keys of an earlier release that do nothing now are refused, not silently ignored."""
+    bad = tmp_path / "old.json"
+    raw = settings_dict(tmp_path)
+    raw.setdefault(section, {})[key] = value
+    bad.write_bytes(orjson.dumps(raw))
+    r = run_cli("serve", "--settings", str(bad), cwd=tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1
+    assert f"{section}.{key} was removed" in lines[0] and "delete the key" in lines[0]

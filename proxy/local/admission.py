@@ -1,22 +1,29 @@
-"""Admission of local turns, all in one place: how many local requests one client may have in flight
-(`ClientLimiter`, 429), submitting a job to the runner where a hit may wait for room (`submit`), and a full
-queue (`queue_full`: the upstream takes the turn when it serves the same model, else 503).
+"""Admission of local turns: the runner's fair queue, seen from HTTP.
 
-This is today's admission, kept as it is; the runner's fair per-client queues (issue 18) replace it.
+The runner decides (local_runner/admission.py: one queue per client, round-robin, bounded by running
+slots + queue places); this module names the client and turns its refusals into answers:
+
+- `OverShare` (this client holds its share of the queue while other clients wait): 429 with Retry-After;
+  a waiting job displaced by another client's request ends with the same 429.
+- `QueueFull` (no slot, no place): the upstream takes the turn when it serves the same model, else 503.
+- Cost-aware routing: when the upstream serves the model, a turn is looked up first; a hit (at least half
+  its prompt stored) that finds the queue full takes the place of a waiting miss, which goes upstream
+  instead (its handler sees `queue_full` before any token), so hits stay where they are cheap.
+
+No request is refused while a running slot or a queue place is free for it, whoever holds the others.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
-from collections.abc import Awaitable, Callable, Iterator
+import math
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from local_runner.jobs import GenerationRequest, Job
+from local_runner.admission import OverShare, QueueFull
+from local_runner.jobs import Failed, GenerationRequest, Job
 from local_runner.runner import Runner
-from local_runner.worker import QueueFull
 
 from ..chat_request import ChatRequest
 from ..errors import APIError
@@ -33,41 +40,17 @@ def client_id(request: web.Request) -> str:
     return tenant if tenant != ANONYMOUS else f"addr:{request.remote or '?'}"
 
 
-class ClientLimiter:
-    """At most `limit` requests in flight per client (0: no limit). Used on the event loop only."""
+def too_many(message: str, retry_after_s: float | None) -> APIError:
+    """429 past a client's fair share of the local queue, with when to retry."""
+    seconds = max(1, math.ceil(retry_after_s or 1))
+    return APIError(429, message, code="too_many_requests", headers={"Retry-After": str(seconds)})
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._in_flight: dict[str, int] = {}
 
-    def acquire(self, client: str) -> Callable[[], None]:
-        """Count one more request of `client` and return its release, or raise a 429."""
-        n = self._in_flight.get(client, 0)
-        if self.limit and n >= self.limit:
-            raise APIError(
-                429,
-                f"Too many concurrent requests from this client (at most {self.limit} served locally "
-                "at once); retry when one has finished.",
-                code="too_many_concurrent_requests",
-            )
-        self._in_flight[client] = n + 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if released:
-                return
-            released = True
-            left = self._in_flight.get(client, 1) - 1
-            if left > 0:
-                self._in_flight[client] = left
-            else:
-                self._in_flight.pop(client, None)
-
-        return release
-
-    def in_flight(self, client: str) -> int:
-        return self._in_flight.get(client, 0)
+def refused(failed: Failed) -> APIError:
+    """A job that ended before its first token: the error the client gets."""
+    if failed.status == 429:
+        return too_many(failed.message, failed.retry_after_s)
+    return APIError(failed.status, failed.message, code=failed.code, type_="server_error")
 
 
 class LocalAdmission:
@@ -75,46 +58,26 @@ class LocalAdmission:
         self,
         runner: Runner,
         *,
-        max_concurrent_per_client: int = 0,
-        hit_queue_wait_s: float = 0.0,
         overflow: UpstreamFallback | None = None,
+        overflow_model: Callable[[str], bool] = lambda model: False,
     ) -> None:
         self.runner = runner
-        self.clients = ClientLimiter(max_concurrent_per_client)
-        self.hit_queue_wait_s = hit_queue_wait_s
-        # Where a turn goes when the local queue is full and the upstream serves the same model.
+        # Where a turn goes when the local queue is full, and whether the upstream serves a model.
         self.overflow = overflow
+        self.overflow_model = overflow_model
 
-    @contextlib.contextmanager
-    def per_client(self, request: web.Request) -> Iterator[None]:
-        """Held while one local request of this client is in flight (429 past the client's limit)."""
-        release = self.clients.acquire(client_id(request))
-        try:
-            yield
-        finally:
-            release()
-
-    async def submit(self, gen: GenerationRequest) -> Job:
-        """Queue the job. When the local queue is full, a turn that would be a miss gives up at once
-        (QueueFull: it goes upstream when the upstream serves this model, else 503), while a hit waits
-        up to `hit_queue_wait_s` for room: its KV is here, where it is cheap to serve. A hit reuses at
-        least half its prompt (a shared system prompt alone does not make a turn cheap)."""
-        try:
-            return self.runner.submit(gen)
-        except QueueFull:
-            if self.hit_queue_wait_s <= 0:
-                raise
+    async def submit(self, request: web.Request, gen: GenerationRequest) -> Job:
+        """Queue the job in its client's queue (QueueFull when nothing can take it; 429 past its share)."""
+        gen.client = client_id(request)
+        hit = False
+        if self.overflow is not None and self.overflow_model(gen.model):
             reusable = await asyncio.to_thread(self.runner.reusable_tokens, gen)
-            if reusable * 2 < len(gen.prompt_ids):
-                raise
-        deadline = time.monotonic() + self.hit_queue_wait_s
-        while True:
-            await asyncio.sleep(0.05)
-            try:
-                return self.runner.submit(gen)
-            except QueueFull:
-                if time.monotonic() >= deadline:
-                    raise
+            hit = reusable * 2 >= len(gen.prompt_ids)
+            gen.may_overflow = not hit
+        try:
+            return self.runner.submit(gen, hit=hit)
+        except OverShare as exc:
+            raise too_many(str(exc), exc.retry_after_s) from None
 
     async def queue_full(
         self, request: web.Request, chat: ChatRequest, turn: Turn, exc: QueueFull

@@ -97,11 +97,11 @@ def build_local_backend(
         truncate_on_overflow=settings.attention_store.position_encoding.truncate_on_overflow,
         decouple=settings.attention_store.position_encoding.decouple,
     )
+    upstream = settings.llm_endpoint
     admission = LocalAdmission(
         runner,
-        max_concurrent_per_client=settings.proxy.max_concurrent_per_client,
-        hit_queue_wait_s=lr.hit_queue_wait_s,
         overflow=overflow,
+        overflow_model=lambda model: bool(upstream.base_url) and upstream.model == model,
     )
     return LocalChatBackend(
         runner,

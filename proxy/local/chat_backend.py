@@ -17,11 +17,11 @@ from typing import Any, TypeGuard
 from aiohttp import web
 
 from kvtier import TIERS, Tier
+from local_runner.admission import QueueFull
 from local_runner.jobs import Event, Failed, Finished, FirstToken, GenerationRequest, Job, TextDelta
 from local_runner.params import SamplingParams
 from local_runner.prompt import PromptError
 from local_runner.runner import RenderedPrompt, Runner, RunnerStats
-from local_runner.worker import QueueFull
 
 from .. import openai_format as fmt
 from ..chat_request import ChatRequest
@@ -30,7 +30,7 @@ from ..headers import CacheLevel
 from ..limits import max_chars_per_token, precheck_prompt
 from ..session_index import SessionIndex, SessionRecord
 from ..turn import Turn
-from .admission import LocalAdmission
+from .admission import LocalAdmission, refused
 from .options import sampling_params, unsupported_reason
 
 OnFinish = Callable[[Finished], Awaitable[None]]
@@ -108,8 +108,7 @@ class LocalChatBackend:
 
     async def handle(self, request: web.Request, chat: ChatRequest, turn: Turn) -> web.StreamResponse:
         sampling = sampling_params(chat.body, self.default_max_tokens)
-        with self.admission.per_client(request):
-            return await self._handle(request, chat, turn, sampling)
+        return await self._handle(request, chat, turn, sampling)
 
     async def _tokenize(self, chat: ChatRequest, reserve: int) -> RenderedPrompt:
         """Prompt ids, on the tokenize pool; a prompt that certainly cannot fit is refused first."""
@@ -152,22 +151,30 @@ class LocalChatBackend:
             reuse=self.reuse,
         )
         try:
-            job = await self.admission.submit(gen)
+            job = await self.admission.submit(request, gen)
         except QueueFull as exc:
             return await self.admission.queue_full(request, chat, turn, exc)
         try:
-            return await self._respond(request, chat, turn, job)
+            events = job.events()
+            first = await anext(events)
+            if isinstance(first, Failed) and first.code == "queue_full":  # a hit took its place
+                return await self.admission.queue_full(request, chat, turn, QueueFull(first.message))
+            return await self._respond(request, chat, turn, job, first, events)
         finally:
             if not job.done:
                 job.cancel()
 
     async def _respond(
-        self, request: web.Request, chat: ChatRequest, turn: Turn, job: Job
+        self,
+        request: web.Request,
+        chat: ChatRequest,
+        turn: Turn,
+        job: Job,
+        first: Event,
+        events: AsyncIterator[Event],
     ) -> web.StreamResponse:
-        events = job.events()
-        first = await anext(events)
         if isinstance(first, Failed):
-            raise APIError(first.status, first.message, code=first.code, type_="server_error")
+            raise refused(first)
         assert isinstance(first, FirstToken)
         turn.local_first_token(
             cache=cache_level(first.tier, first.reused_tokens),

@@ -81,8 +81,12 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int) -> SamplingPa
         content = msg.get("content")
         if content is not None and not isinstance(content, str | list):
             raise bad_request(f"messages[{i}].content must be a string or an array.", param="messages")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad_request("'ignore_eos' must be a boolean.", param="ignore_eos")
     return SamplingParams(
         max_tokens=max_tokens,
+        ignore_eos=ignore_eos,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         seed=seed,
