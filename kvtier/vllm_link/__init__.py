@@ -1,0 +1,13 @@
+"""The parts of kvtier's vLLM connector (kvtier/vllm_connector.py is the class vLLM loads):
+
+    plan.py     the arithmetic: request parameters, tokens to restore, block slots, tiers  (no torch)
+    options.py  the connector's settings and the model fingerprint                          (no torch)
+    wire.py     the store's socket: server and clients                                       (no torch)
+    pages.py    where K and V sit in vLLM's paged cache, per attention backend
+    service.py  the store's answers on its socket (in vLLM's worker process)
+    worker.py   restoring into and saving out of vLLM's blocks, layer by layer
+    scheduler.py  matching, prefetch, the queue as a hint, what each step loads and saves
+    setup.py    the worker side's start from vLLM's caches
+
+Nothing here imports vLLM; the torch-free modules are what attnstore's proxy uses to talk to the store.
+"""
