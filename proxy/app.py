@@ -117,6 +117,11 @@ def build_full_app(
     index = open_session_index(settings.proxy.session_index)
     if not settings.local_runner.enabled:
         return build_app(settings, index=index)
+    if settings.local_runner.engine == "vllm":  # a vLLM server per model, started (and waited for) now
+        from .local_vllm.build import start_vllm_backend
+
+        vllm = start_vllm_backend(settings, index, overflow=upstream_fallback, base_dir=base_dir)
+        return build_app(settings, local=vllm, index=index)
     from .local.build import build_local_backend, load_models
 
     loaded = models if models is not None else load_models(settings, base_dir)

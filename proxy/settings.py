@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct, field
 
+from .local_vllm.settings_check import RefusedSetting, check_engine
+
 NonNegativeMB = Annotated[float, Meta(ge=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
@@ -131,6 +133,12 @@ class LocalRunnerSettings(_Strict):
     # Where converted weights are cached (the GGUF de-quantization runs once).
     cache_dir: str = "./var/models"
     threads: NonNegativeInt = 0  # 0: the cores available to this process
+    # "vllm": a vLLM OpenAI server per model with kvtier's connector (README, "Using vLLM as the engine"),
+    # started from vllm_python ("": this interpreter) with vllm_args; start-up waits vllm_start_timeout_s.
+    engine: Literal["transformers", "vllm"] = "transformers"
+    vllm_python: str = ""
+    vllm_args: list[str] = field(default_factory=list)
+    vllm_start_timeout_s: Annotated[float, Meta(gt=0)] = 900
 
 
 class ProxySettings(_Strict):
@@ -279,6 +287,10 @@ def parse_settings(
         if environ.get(var):
             setattr(settings.proxy, attr, environ[var])
     _check_values(settings, base_dir or Path.cwd(), check_paths)
+    try:  # what the chosen engine would ignore (proxy/local_vllm/settings_check.py)
+        check_engine(settings.local_runner, msgspec.json.decode(raw), check_paths=check_paths)
+    except RefusedSetting as exc:
+        raise SettingsError(str(exc)) from None
     return settings
 
 

