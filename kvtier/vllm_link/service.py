@@ -148,6 +148,7 @@ class StoreService:
     # ---- the proxy's operations -----------------------------------------------------------------------
 
     def forget(self, namespace: str, session: str) -> int:
+        self._wait_puts(namespace)  # a turn's save still in flight is forgotten too
         dropped = self.store.forget_session(namespace, session)
         with self._lock:
             self._forgotten.append((namespace, session))

@@ -1,0 +1,138 @@
+"""The vLLM engine's settings: what is refused at start (a value that would do nothing), and what the
+accepted ones become on vLLM's command line and in the connector's options; vLLM's stream as events."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.local_vllm.launch import vllm_dtype, vllm_launch
+from proxy.local_vllm.stream import Delta, Finish, StreamError, Usage, parse_event
+from proxy.settings import Settings, SettingsError, parse_settings
+
+VLLM = {"engine": "vllm", "vllm_args": ["-O0"]}
+NO_DECOUPLE = {"position_encoding": {"decouple": False}}
+
+
+def settings(tmp_path: Path, **sections: Any) -> Settings:
+    raw = {"attention_store": {"tiering": {"l2_disk": {"path": str(tmp_path / "kv")}}}, **sections}
+    return parse_settings(orjson.dumps(raw), tmp_path, env={})
+
+
+@pytest.mark.parametrize(
+    ("sections", "refusal"),
+    [
+        (
+            {"local_runner": {"vllm_args": ["-O0"]}},
+            "local_runner.vllm_args: only used with local_runner.engine 'vllm'",
+        ),
+        ({"local_runner": {"vllm_python": "/x"}}, "local_runner.vllm_python: only used"),
+        (
+            {"local_runner": {**VLLM, "threads": 2}},
+            "local_runner.threads: has no effect with local_runner.engine 'vllm'",
+        ),
+        (
+            {"local_runner": {**VLLM, "min_free_memory_mb": 5}},
+            "local_runner.min_free_memory_mb: has no effect",
+        ),
+        ({"local_runner": {**VLLM, "device": "cpu"}}, "local_runner.device: the vLLM install decides"),
+        (
+            {"local_runner": {**VLLM, "vllm_args": ["--port=9"]}},
+            "local_runner.vllm_args: --port is set by the proxy",
+        ),
+        (
+            {"local_runner": {**VLLM, "vllm_args": ["--dtype", "half"]}},
+            "--dtype is set by the proxy from local_runner.dtype",
+        ),
+        (
+            {"local_runner": {**VLLM, "vllm_python": "/no/such/python"}},
+            "local_runner.vllm_python: '/no/such/python' is not",
+        ),
+        (
+            {"local_runner": VLLM, "attention_store": {"position_encoding": {"decouple": True}}},
+            "decouple: not implemented",
+        ),
+        (
+            {"local_runner": VLLM, "attention_store": {"tiering": {"l0_gpu": {"eviction": "lfu"}}}},
+            "l0_gpu.eviction: vLLM evicts its own KV memory",
+        ),
+        ({"local_runner": {"engine": "sglang"}}, "local_runner.engine"),
+    ],
+)
+def test_a_key_the_engine_would_ignore_stops_start_up_naming_it(tmp_path, sections, refusal):
+    with pytest.raises(SettingsError, match=refusal.replace(".", r"\.").replace("(", r"\(")):
+        settings(tmp_path, **sections)
+
+
+def test_the_settings_become_vllms_arguments_and_the_connectors_options(tmp_path):
+    s = settings(
+        tmp_path,
+        local_runner={
+            **VLLM,
+            "vllm_python": sys.executable,
+            "max_running": 6,
+            "max_batch_tokens": 1024,
+            "kv_chunk_tokens": 512,
+        },
+        attention_store={
+            "tiering": {
+                "l0_gpu": {"capacity_mb": 256},
+                "l1_host": {"capacity_mb": 64},
+                "l2_disk": {"path": "kv"},
+            },
+            "preload": {"lookahead_turns": 3, "overlap_with_compute": False},
+            **NO_DECOUPLE,
+        },
+    )
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    launch = vllm_launch(s, "m", folder, 8123, "/tmp/x.sock", base_dir=tmp_path)
+    argv = launch.argv
+    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+    def arg(name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    assert (arg("--model"), arg("--served-model-name"), arg("--port")) == (str(folder), "m", "8123")
+    assert (arg("--max-num-seqs"), arg("--max-num-batched-tokens")) == ("6", "1024")
+    assert arg("--kv-cache-memory-bytes") == str(256 << 20)
+    assert arg("--max-model-len") == "2048"  # the model's own context is below max_context_tokens
+    assert argv[-1] == "-O0"
+    transfer = json.loads(arg("--kv-transfer-config"))
+    assert transfer["kv_connector_module_path"] == "kvtier.vllm_connector"
+    assert transfer["kv_load_failure_policy"] == "recompute"
+    extra = transfer["kv_connector_extra_config"]
+    assert extra["l1_capacity_bytes"] == 64 << 20 and extra["l2_path"] == str(tmp_path / "kv")
+    assert extra["chunk_tokens"] == 512 and extra["lookahead"] == 3 and extra["layerwise"] is False
+    assert extra["socket_path"] == "/tmp/x.sock" == launch.socket_path
+    assert str(Path(__file__).resolve().parents[1]) in launch.env["PYTHONPATH"].split(":")
+
+
+def test_without_the_store_vllm_runs_without_the_connector(tmp_path):
+    s = settings(tmp_path, local_runner=VLLM, attention_store={"enabled": False, **NO_DECOUPLE})
+    launch = vllm_launch(s, "m", tmp_path, 8123, "/tmp/x.sock", base_dir=tmp_path)
+    assert "--kv-transfer-config" not in launch.argv and launch.socket_path is None
+
+
+def test_dtype_auto_is_float32_only_on_a_cpu_without_bfloat16_arithmetic(monkeypatch):
+    monkeypatch.setattr(Path, "exists", lambda self: False)  # no /dev/nvidia0
+    assert vllm_dtype("auto", "auto", frozenset({"avx2"})) == "float32"
+    assert vllm_dtype("auto", "auto", frozenset({"avx512_bf16"})) == "auto"
+    assert vllm_dtype("auto", "cuda:1", frozenset()) == "auto"
+    assert vllm_dtype("bfloat16", "auto", frozenset()) == "bfloat16"
+
+
+def test_vllms_stream_reads_as_deltas_finish_and_usage():
+    assert parse_event(b'data: {"choices":[{"text":"Hi","finish_reason":null}]}\n') == [Delta("Hi")]
+    assert parse_event(b'data: {"choices":[{"text":"","finish_reason":"length"}]}') == [Finish("length")]
+    assert parse_event(b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}') == [
+        Usage(5, 2)
+    ]
+    assert parse_event(b'data: {"error":{"message":"boom"}}') == [StreamError("boom")]
+    assert parse_event(b"data: [DONE]") == [] and parse_event(b"\n") == [] and parse_event(b": ping") == []
