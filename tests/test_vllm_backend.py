@@ -27,7 +27,7 @@ from local_runner.loader import ThreadTokenizers
 from local_runner.prompt import render_prompt
 from proxy.app import build_app
 from proxy.local_vllm.backend import ServedModel, VllmChatBackend
-from proxy.session_index import MemorySessionIndex
+from proxy.session_index import MemorySessionIndex, SessionRecord
 from proxy.upstream import upstream_fallback
 from tests.servers import http_request
 from tests.support.waiting import wait_until
@@ -237,3 +237,12 @@ def test_vllms_refusal_is_the_clients_400(stack):
     fake.refuse = "max_tokens is too large"
     result = chat(url, TURN_1)
     assert result.status == 400 and "max_tokens is too large" in result.json()["error"]["message"]
+
+
+def test_keys_another_replica_stored_for_the_session_go_to_vllm_as_hints(stack):
+    url, fake, index, _ = stack
+    asyncio.run(index.put("anonymous", "moved", SessionRecord("r2", "l1", ["k1", "k2"], 40)))
+    assert chat(url, TURN_1, session="moved").status == 200
+    assert fake.bodies[-1]["kv_transfer_params"]["attnstore"]["hints"] == ["k1", "k2"]
+    assert chat(url, TURN_1, session="moved").status == 200  # now recorded here: nothing to adopt
+    assert fake.bodies[-1]["kv_transfer_params"]["attnstore"]["hints"] == []

@@ -192,9 +192,9 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
     yield from _engine(tmp_path, l1_bytes=1 << 20)
 
 
-def _engine(tmp_path: Path, l1_bytes: int) -> Iterator[Engine]:
+def _engine(tmp_path: Path, l1_bytes: int, l2: Path | None = None) -> Iterator[Engine]:
     layout = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32)
-    l2 = tmp_path / "kv"
+    l2 = l2 or tmp_path / "kv"
     config = StoreConfig(0, l1_bytes, 1 << 24, l2, chunk_tokens=CHUNK, async_save=False)
     store = KVStore(config, layout, "fp-test")
     service = StoreService(store)
@@ -329,6 +329,27 @@ def test_a_corrupt_l2_chunk_becomes_blocks_vllm_recomputes(tmp_path: Path):
         assert report is not None and report["tiers"]["l1"] == report["tiers"]["l2"] == 0
         e.scheduler.arrived("r3", list(range(26)), parse_params({"attnstore": {"tenant": "t"}}))
         assert e.scheduler.matched_tokens("r3", 0) == 8  # the valid chunk before the bad one
+    finally:
+        engines.close()
+
+
+def test_another_replica_finds_a_partial_chunk_through_the_session_hints(engine: Engine, tmp_path: Path):
+    other_dir = tmp_path / "replica-b"
+    other_dir.mkdir()
+    engines = _engine(other_dir, l1_bytes=1 << 20, l2=engine.l2)  # the same L2 folder, started first
+    b = next(engines)
+    try:
+        _first_turn(
+            engine, list(range(21)), answer=5, blocks=[3, 4, 5, 6, 7, 8, 9]
+        )  # 25 tokens: 3 chunks + 1
+        saved = engine.service.turn("turn-1", wait_s=10, saved=True)
+        assert saved is not None
+        prompt = [*range(21), *range(1000, 1004), 50, 51]
+        b.scheduler.arrived("r2", prompt, parse_params({"attnstore": {"tenant": "t"}}))
+        assert b.scheduler.matched_tokens("r2", 0) == 24  # whole chunks only: the partial one has another key
+        hinted = {"attnstore": {"tenant": "t", "hints": saved["keys"]}}
+        b.scheduler.arrived("r3", prompt, parse_params(hinted))
+        assert b.scheduler.matched_tokens("r3", 0) == 25
     finally:
         engines.close()
 

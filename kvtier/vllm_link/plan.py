@@ -12,7 +12,9 @@ from typing import Any
 
 # vLLM's own prefix cache (its paged KV memory) is tier l0; the store below it supplies l1 and l2.
 VLLM_TIER = "l0"
-PARAMS_KEY = "attnstore"  # kv_transfer_params = {"attnstore": {"tenant", "session", "turn", "reuse"}}
+PARAMS_KEY = (
+    "attnstore"  # kv_transfer_params = {"attnstore": {"tenant", "session", "turn", "reuse", "hints"}}
+)
 DEFAULT_NAMESPACE = "default"  # requests that name no tenant (vLLM used without the proxy)
 
 
@@ -24,6 +26,9 @@ class TurnParams:
     session: str | None = None  # names the conversation, so it can be forgotten
     turn: str | None = None  # the proxy's id for this request: the store reports under it
     reuse: bool = True  # False: compute everything (a recompute to compare with), still save
+    # Chunk keys another replica stored for this session (its session index record): the store adopts
+    # them from the shared L2 before it looks, so a partial last chunk written there is found too.
+    hints: tuple[str, ...] = ()
 
 
 def parse_params(kv_transfer_params: Mapping[str, Any] | None, cache_salt: str | None = None) -> TurnParams:
@@ -42,6 +47,7 @@ def parse_params(kv_transfer_params: Mapping[str, Any] | None, cache_salt: str |
         session=text("session"),
         turn=text("turn"),
         reuse=raw.get("reuse", True) is not False,
+        hints=tuple(k for k in raw.get("hints") or () if isinstance(k, str)),
     )
 
 

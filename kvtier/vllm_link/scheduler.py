@@ -93,7 +93,8 @@ class SchedulerSide:
         self._waiting.append(req_id)
         if params.reuse:
             in_window = len(self._waiting) <= self.lookahead
-            reply = self._lookup(r, req_id, count=True, prefetch=self.prefetch and in_window)
+            prefetch = self.prefetch and in_window
+            reply = self._lookup(r, req_id, count=True, prefetch=prefetch, hints=list(params.hints))
             r.first_seen = _chunks(reply)
             if self.prefetch and in_window:
                 r.prefetch_at = time.monotonic()

@@ -55,13 +55,15 @@ class StoreService:
         wait_s: float = 0.0,
         req: str | None = None,
         forgotten_since: int = 0,
+        hints: Sequence[str] = (),
     ) -> dict[str, Any]:
         """The stored prefix of `tokens` as [start, n_tokens, tier] chunks. `count`: a turn's one counted
         lookup (a hit of its slowest tier, or a miss). `prefetch`: bring its disk chunks up to host memory
         in the background; `wait_s`: wait that long for prefetches first. Also returns the sessions
-        forgotten since `forgotten_since` (the scheduler drops them from vLLM's own cache)."""
+        forgotten since `forgotten_since` (the scheduler drops them from vLLM's own cache). `hints`: keys
+        another replica stored for the session, adopted from the shared L2 first."""
         self._wait_puts(namespace)
-        match = self.store.lookup(namespace, tokens, count=count)
+        match = self.store.lookup(namespace, tokens, count=count, hint_keys=hints)
         on_disk = any(c.tier not in MEMORY_TIERS for c in match.chunks)
         if prefetch and on_disk and self.prefetch_enabled:
             self.store.prefetch(match)

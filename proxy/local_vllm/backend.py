@@ -145,6 +145,9 @@ class VllmChatBackend:
                 return await self.overflow(request, chat, turn)
             raise APIError(503, "The local queue is full; retry later.", code="queue_full")
         turn_id = uuid.uuid4().hex
+        record = await self.index.get(turn.tenant, turn.session) if self.reuse else None
+        # What another replica stored for this session: its store adopts those files from the shared L2.
+        hints = record.chunk_keys if record is not None and record.replica != self.replica else []
         body = {
             "model": chat.model,
             "prompt": ids,
@@ -163,6 +166,7 @@ class VllmChatBackend:
                     "session": turn.session,
                     "turn": turn_id,
                     "reuse": self.reuse,
+                    "hints": hints,
                 }
             },
         }

@@ -76,7 +76,8 @@ def start_servers(settings: Settings, base_dir: Path) -> dict[str, tuple[VllmSer
                 base_dir=base_dir,
                 cpu_flags=flags,
             )
-            started[name] = (VllmServer(name, launch, port, logs / f"{name}.log"), folder)
+            log_path = logs / f"{name}.{replica_id(settings).replace('/', '_')}.log"
+            started[name] = (VllmServer(name, launch, port, log_path), folder)
         for server, _ in started.values():
             server.wait_ready(lr.vllm_start_timeout_s)
     except BaseException:

@@ -67,7 +67,7 @@ class VllmServer:
         self.log_path = log_path
         self.store = StoreClient(launch.socket_path, timeout_s=60) if launch.socket_path else None
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("ab")
+        self._log = log_path.open("wb")
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
             launch.argv,
@@ -119,12 +119,19 @@ class VllmServer:
             return False
         return True
 
-    def log_tail(self, lines: int = 8) -> str:
+    def log_tail(self, lines: int = 4) -> str:
+        """The log's last error line (vLLM's reason, above its traceback), then its last lines."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
         except OSError:
             return "(no log)"
-        return " | ".join(line for line in text.strip().splitlines()[-lines:])
+        errors = [line for line in text if "Error: " in line and "Warning" not in line]
+        tail = " | ".join(text[-lines:])
+        return (
+            f"{errors[-1].strip()} (log {self.log_path}: ... {tail})"
+            if errors
+            else f"{tail} (log {self.log_path})"
+        )
 
     def stop(self, grace_s: float = 30.0) -> None:
         """Flush the store, then end the process group (idempotent)."""

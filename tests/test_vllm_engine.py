@@ -1,0 +1,268 @@
+"""attnstore on real vLLM (local_runner.engine "vllm"): `python -m proxy serve` processes, each starting
+vLLM CPU with kvtier's connector and vLLM's own prefix cache off, so every reused token comes from the
+store. Greedy answers must equal vLLM recomputing the same prompt (the same server, the store not
+consulted); a restart of attnstore and vLLM keeps the hits (from L2); a corrupt L2 file is a miss;
+DELETE forgets; two replicas with a Redis index share the L2 folder.
+
+They need a Python with vLLM 0.32 (`make vllm` builds .venv-vllm; ATTNSTORE_TEST_VLLM_PYTHON names
+another) and skip, saying so, without one. vLLM takes about a minute to start here (-O0: no
+compilation), so each test starts only the servers it needs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import urllib3
+from transformers import AutoTokenizer
+
+from local_runner.loader import ModelLoadError
+from local_runner.prompt import render_prompt
+from proxy.local_vllm.engine import check_vllm_python
+from tests.model_fixture import MODEL, REPO
+from tests.support.processes import ReplicaProcess
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.model
+VLLM_PYTHON = os.environ.get("ATTNSTORE_TEST_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+START_S = 600  # two vLLMs starting at once on two cores
+QUESTIONS = [
+    "Explain what the KV cache does during inference, in a few sentences.",
+    "How does it relate to the cost of multi-turn chats?",
+    "Summarize both answers in one line.",
+]
+OTHER_QUESTIONS = ["Name three programming languages and what each is used for.", "Which one is the oldest?"]
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    if not os.access(VLLM_PYTHON, os.X_OK):
+        pytest.skip(f"no vLLM Python at {VLLM_PYTHON} (make vllm, or set ATTNSTORE_TEST_VLLM_PYTHON)")
+    try:
+        check_vllm_python(VLLM_PYTHON)
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+    return VLLM_PYTHON
+
+
+def settings(python: str, l2: Path, *, index: str = "memory", name: str = "a") -> dict[str, Any]:
+    return {
+        "attention_store": {
+            "tiering": {
+                "l0_gpu": {"capacity_mb": 512},
+                "l1_host": {"capacity_mb": 256},
+                "l2_disk": {"path": str(l2)},
+            },
+            "position_encoding": {"decouple": False, "max_context_tokens": 2048},
+        },
+        "local_runner": {
+            "engine": "vllm",
+            "vllm_python": python,
+            "dtype": "float32",
+            "cache_dir": str(REPO / "var" / "models"),
+            "kv_chunk_tokens": 128,
+            "vllm_args": ["-O0", "--no-enable-prefix-caching"],
+        },
+        "proxy": {"session_index": index, "replica_id": name},
+    }
+
+
+class Servers:
+    """attnstore replicas started by one test; stopped (and every vLLM they started ended) at teardown."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.started: list[ReplicaProcess] = []
+        self.count = 0
+
+    def start(self, *configs: dict[str, Any]) -> list[ReplicaProcess]:
+        new = []
+        for config in configs:
+            self.count += 1
+            new.append(ReplicaProcess(self.tmp, f"{config['proxy']['replica_id']}-{self.count}", config))
+        self.started += new
+        return [r.wait_ready(START_S) for r in new]
+
+    def stop(self) -> None:
+        for r in self.started:
+            r.stop()
+        self.started = []
+        for pid in _pids_mentioning(str(self.tmp)):  # a vLLM its proxy could not stop: ours, by its L2 path
+            os.kill(pid, signal.SIGKILL)
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.fixture
+def servers(tmp_path: Path, vllm_python: str) -> Iterator[Servers]:
+    s = Servers(tmp_path)
+    try:
+        yield s
+    finally:
+        s.stop()
+    assert _pids_mentioning(str(tmp_path)) == [], "a vLLM outlived its proxy"
+
+
+def chat(
+    url: str, messages: list[dict[str, str]], session: str
+) -> tuple[str, dict[str, str], dict[str, Any]]:
+    body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 24}
+    resp = urllib3.request(
+        "POST",
+        url + "/v1/chat/completions",
+        body=orjson.dumps(body),
+        headers={"Content-Type": "application/json", "X-Session-Id": session},
+        timeout=300,
+    )
+    assert resp.status == 200, resp.data
+    answer = orjson.loads(resp.data)
+    return answer["choices"][0]["message"]["content"], dict(resp.headers), answer["usage"]
+
+
+def recompute(server: ReplicaProcess, messages: list[dict[str, str]]) -> str:
+    """The same prompt on the same vLLM with the store not consulted: every token computed."""
+    health = orjson.loads(urllib3.request("GET", server.url + "/healthz", timeout=10).data)
+    folder = next(p for p in (REPO / "var" / "models").iterdir() if p.name.startswith(MODEL) and p.is_dir())
+    ids = render_prompt(AutoTokenizer.from_pretrained(folder), messages)
+    body = {
+        "model": MODEL,
+        "prompt": ids,
+        "temperature": 0,
+        "max_tokens": 24,
+        "kv_transfer_params": {"attnstore": {"tenant": "recompute", "reuse": False}},
+    }
+    resp = urllib3.request(
+        "POST",
+        health["local"][MODEL]["url"] + "/v1/completions",
+        body=orjson.dumps(body),
+        headers={"Content-Type": "application/json"},
+        timeout=300,
+    )
+    assert resp.status == 200, resp.data
+    return str(orjson.loads(resp.data)["choices"][0]["text"])
+
+
+Turn = tuple[list[dict[str, str]], str, dict[str, str], dict[str, Any]]
+
+
+def converse(
+    url: str,
+    session: str,
+    turns: int,
+    history: list[dict[str, str]] | None = None,
+    questions: list[str] = QUESTIONS,
+) -> list[Turn]:
+    """`turns` turns of one conversation (after `history`); each: (messages sent, answer, headers, usage)."""
+    messages = list(history or [])
+    done = []
+    for question in questions[len([m for m in messages if m["role"] == "user"]) :][:turns]:
+        messages.append({"role": "user", "content": question})
+        answer, headers, usage = chat(url, messages, session)
+        done.append((list(messages), answer, headers, usage))
+        messages.append({"role": "assistant", "content": answer})
+    return done
+
+
+def saves_done(url: str) -> bool:
+    return (
+        orjson.loads(urllib3.request("GET", url + "/v1/attention_store/stats", timeout=30).data)[
+            "saves_pending"
+        ]
+        == 0
+    )
+
+
+def assert_hit(headers: dict[str, str], usage: dict[str, Any], cache: str | None = None) -> int:
+    reused = int(headers["X-AttentionStore-Reused-Tokens"])
+    assert headers["X-AttentionStore-Cache"] != "miss" and reused > 0
+    assert cache is None or headers["X-AttentionStore-Cache"] == cache
+    assert usage["prompt_tokens_details"]["cached_tokens"] == reused
+    return reused
+
+
+def test_later_turns_are_hits_whose_answers_equal_a_recompute_and_delete_forgets(
+    servers, vllm_python, tmp_path
+):
+    (server,) = servers.start(settings(vllm_python, tmp_path / "kv"))
+    turns = converse(server.url, "conv-1", 3)
+    first_headers = turns[0][2]
+    assert (
+        first_headers["X-AttentionStore-Cache"] == "miss"
+        and first_headers["X-AttentionStore-Route"] == "local"
+    )
+    for messages, answer, headers, usage in turns[1:]:
+        assert_hit(headers, usage, "l1_hit")
+        assert answer == recompute(server, messages)
+    gone = orjson.loads(
+        urllib3.request("DELETE", server.url + "/v1/attention_store/sessions/conv-1", timeout=30).data
+    )
+    assert gone["deleted"] is True and gone["chunks"] > 0
+    messages, answer, headers, _ = converse(
+        server.url, "conv-1", 1, turns[1][0] + [{"role": "assistant", "content": turns[1][1]}]
+    )[0]
+    assert headers["X-AttentionStore-Cache"] == "miss" and answer == turns[2][1]
+
+
+def test_a_restart_keeps_the_hits_from_l2_and_a_corrupt_file_is_a_miss(servers, vllm_python, tmp_path):
+    l2 = tmp_path / "kv"
+    (first,) = servers.start(settings(vllm_python, l2))
+    kept = converse(first.url, "kept", 2)
+    wait_until(lambda: saves_done(first.url), "the first conversation on disk", timeout=60)
+    before = {p for p in l2.rglob("*.safetensors")}
+    broken = converse(first.url, "broken", 1, questions=OTHER_QUESTIONS)
+    wait_until(lambda: saves_done(first.url), "the second conversation on disk", timeout=60)
+    servers.stop()
+    for path in {p for p in l2.rglob("*.safetensors")} - before:  # every chunk of the second conversation
+        data = bytearray(path.read_bytes())
+        data[-10] ^= 0x01
+        path.write_bytes(bytes(data))
+    (again,) = servers.start(settings(vllm_python, l2))
+    history = [
+        m
+        for messages, answer, _, _ in kept[-1:]
+        for m in [*messages, {"role": "assistant", "content": answer}]
+    ]
+    messages, answer, headers, usage = converse(again.url, "kept", 1, history)[0]
+    assert_hit(headers, usage, "l2_hit")
+    assert answer == recompute(again, messages)
+    history = [*broken[0][0], {"role": "assistant", "content": broken[0][1]}]
+    messages, answer, headers, _ = converse(again.url, "broken", 1, history, OTHER_QUESTIONS)[0]
+    # Its own chunks are all bad: at most the system prompt it shares with the other conversation is
+    # reused, never the history its files held.
+    assert int(headers["X-AttentionStore-Reused-Tokens"]) < broken[0][3]["prompt_tokens"]
+    assert answer == recompute(again, messages)
+    stats = orjson.loads(urllib3.request("GET", again.url + "/v1/attention_store/stats", timeout=30).data)
+    assert stats["quarantined"] >= 1
+
+
+@pytest.mark.redis
+def test_two_replicas_share_l2_through_redis(servers, vllm_python, tmp_path, redis_server):
+    l2 = tmp_path / "shared-kv"
+    a, b = servers.start(*(settings(vllm_python, l2, index=redis_server.url, name=n) for n in ("a", "b")))
+    (first,) = converse(a.url, "shared", 1)
+    wait_until(lambda: saves_done(a.url), "replica a's chunks on the shared disk", timeout=60)
+    messages = [
+        *first[0],
+        {"role": "assistant", "content": first[1]},
+        {"role": "user", "content": QUESTIONS[1]},
+    ]
+    answer, headers, usage = chat(b.url, messages, "shared")
+    assert_hit(headers, usage, "l2_hit")
+    assert headers["X-AttentionStore-Replica"] == "b"
+    assert answer == recompute(b, messages)
