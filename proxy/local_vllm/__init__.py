@@ -4,6 +4,7 @@
     launch.py          the vLLM server command for one model, from settings
     engine.py          starting, waiting for and stopping that server (a process group)
     stream.py          vLLM's completion stream, read as text deltas, the finish and the usage
+    answer.py          those events as the client's Chat Completions answer (streamed or not)
     backend.py         the LocalBackend: render, admit, forward to vLLM, headers from the store's report
     build.py           everything above from settings
 

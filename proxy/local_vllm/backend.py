@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +33,8 @@ from local_runner.loader import ThreadTokenizers
 from local_runner.prompt import PromptError, fit_history, render_prompt
 from local_runner.runner import RunnerStats
 
-from .. import openai_format as fmt
 from ..chat_request import ChatRequest
-from ..errors import APIError, error_body
+from ..errors import APIError
 from ..headers import CacheLevel
 from ..keys import HTTP_CLIENT
 from ..limits import max_chars_per_token, precheck_prompt
@@ -42,9 +42,10 @@ from ..local.admission import UpstreamFallback
 from ..local.options import sampling_params, unsupported_reason
 from ..session_index import SessionIndex, SessionRecord
 from ..turn import Turn
+from .answer import answer, chain, vllm_error
 from .engine import VllmServer
 from .store_view import forget, store_stats
-from .stream import Delta, Event, Finish, Usage, completion_events
+from .stream import Usage, completion_events
 
 log = logging.getLogger("attnstore")
 REPORT_WAIT_S = 2.0  # the store reports a turn before its first token; this covers a busy machine
@@ -178,12 +179,14 @@ class VllmChatBackend:
                 model.server.url + "/v1/completions", json=body, timeout=self.timeout
             ) as resp:
                 if resp.status != 200:
-                    raise await _vllm_error(resp)
+                    raise await vllm_error(resp)
                 events = completion_events(resp)
                 first = await anext(events, None)
                 at = time.monotonic()
                 await self._first_token(model, turn, turn_id, len(ids), at)
-                return await self._respond(request, chat, turn, model, turn_id, _chain(first, events))
+                system_fingerprint = f"fp_attnstore_vllm_{model.dtype}"
+                on_end = functools.partial(self._record, model, turn, turn_id)
+                return await answer(request, chat, turn, system_fingerprint, chain(first, events), on_end)
         except asyncio.CancelledError:
             self._cancelled += 1  # the client went away: closing the stream aborts the request in vLLM
             raise
@@ -260,55 +263,6 @@ class VllmChatBackend:
             cache=level, reused=reused, prompt=prompt, tiers=tiers, position_shift=0, at=at
         )
 
-    async def _respond(
-        self,
-        request: web.Request,
-        chat: ChatRequest,
-        turn: Turn,
-        model: ServedModel,
-        turn_id: str,
-        events: AsyncIterator[Event],
-    ) -> web.StreamResponse:
-        ids = fmt.CompletionIds(model=chat.model, system_fingerprint=f"fp_attnstore_vllm_{model.dtype}")
-        headers = turn.headers()
-        stream: web.StreamResponse | None = None
-        if chat.stream:
-            stream = web.StreamResponse(headers={**headers, "Cache-Control": "no-cache"})
-            stream.content_type = "text/event-stream"
-            await stream.prepare(request)
-            first = {"role": "assistant", "content": "", "refusal": None}
-            await stream.write(fmt.chunk(ids, first, include_usage=chat.include_usage))
-        parts: list[str] = []
-        reason, usage = "stop", Usage(0, 0)
-        async for event in events:
-            if isinstance(event, Delta):
-                parts.append(event.text)
-                if stream is not None:
-                    await stream.write(
-                        fmt.chunk(ids, {"content": event.text}, include_usage=chat.include_usage)
-                    )
-            elif isinstance(event, Finish):
-                reason = event.reason
-            elif isinstance(event, Usage):
-                usage = event
-            elif stream is not None:  # headers are out: report in-band, as OpenAI does mid-stream
-                await stream.write(b"data: " + error_body(event.message, "server_error") + b"\n\n")
-                await stream.write_eof()
-                return stream
-            else:
-                raise APIError(502, f"vLLM: {event.message}", type_="server_error")
-        await self._record(model, turn, turn_id, usage)
-        usage_body = fmt.usage(usage.prompt_tokens, usage.completion_tokens, turn.reused)
-        if stream is None:
-            body = fmt.completion(ids, "".join(parts), reason, usage_body)
-            return web.json_response(body, headers=headers, dumps=lambda o: fmt.orjson.dumps(o).decode())
-        await stream.write(fmt.chunk(ids, {}, reason, include_usage=chat.include_usage))
-        if chat.include_usage:
-            await stream.write(fmt.chunk(ids, None, include_usage=True, usage_=usage_body))
-        await stream.write(fmt.DONE)
-        await stream.write_eof()
-        return stream
-
     async def _record(self, model: ServedModel, turn: Turn, turn_id: str, usage: Usage) -> None:
         """The log line and metrics, and the session indexed with the keys vLLM's store saved for it
         (before the client sees the end, so its next turn finds them)."""
@@ -323,22 +277,3 @@ class VllmChatBackend:
         if keys:
             tokens = usage.prompt_tokens + usage.completion_tokens
             await self.index.put(turn.tenant, turn.session, SessionRecord(self.replica, "l1", keys, tokens))
-
-
-async def _chain(first: Event | None, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
-    if first is not None:
-        yield first
-    async for event in rest:
-        yield event
-
-
-async def _vllm_error(resp: aiohttp.ClientResponse) -> APIError:
-    """vLLM refused the request: its 4xx is the client's (its message passed on), anything else a 502."""
-    try:
-        body = await resp.json(content_type=None)
-        message = str(body.get("error", {}).get("message") or body)
-    except (ValueError, aiohttp.ClientError, AttributeError):
-        message = (await resp.text())[:500]
-    if 400 <= resp.status < 500:
-        return APIError(400, f"vLLM: {message}", code="invalid_request")
-    return APIError(502, f"vLLM answered {resp.status}: {message}", type_="server_error")
