@@ -288,7 +288,9 @@ def parse_settings(
             setattr(settings.proxy, attr, environ[var])
     _check_values(settings, base_dir or Path.cwd(), check_paths)
     try:  # what the chosen engine would ignore (proxy/local_vllm/settings_check.py)
-        check_engine(settings.local_runner, msgspec.json.decode(raw), check_paths=check_paths)
+        check_engine(
+            settings.local_runner, settings.attention_store, LocalRunnerSettings(), check_paths=check_paths
+        )
     except RefusedSetting as exc:
         raise SettingsError(str(exc)) from None
     return settings

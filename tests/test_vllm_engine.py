@@ -60,6 +60,7 @@ def settings(python: str, l2: Path, *, index: str = "memory", name: str = "a") -
                 "l2_disk": {"path": str(l2)},
             },
             "position_encoding": {"decouple": False, "max_context_tokens": 2048},
+            "scheduler_aware": {"evict_on_pressure": False},
         },
         "local_runner": {
             "engine": "vllm",

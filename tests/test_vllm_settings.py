@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 import pytest
 
@@ -16,11 +17,15 @@ from proxy.local_vllm.stream import Delta, Finish, StreamError, Usage, parse_eve
 from proxy.settings import Settings, SettingsError, parse_settings
 
 VLLM = {"engine": "vllm", "vllm_args": ["-O0"]}
-NO_DECOUPLE = {"position_encoding": {"decouple": False}}
+# What the vLLM engine does not implement is set to false (their defaults are true).
+NO_DECOUPLE = {"position_encoding": {"decouple": False}, "scheduler_aware": {"evict_on_pressure": False}}
 
 
 def settings(tmp_path: Path, **sections: Any) -> Settings:
-    raw = {"attention_store": {"tiering": {"l2_disk": {"path": str(tmp_path / "kv")}}}, **sections}
+    store = {"tiering": {"l2_disk": {"path": str(tmp_path / "kv")}}}
+    if sections.get("local_runner", {}).get("engine") == "vllm":
+        store.update(NO_DECOUPLE)
+    raw = {"attention_store": store, **sections}
     return parse_settings(orjson.dumps(raw), tmp_path, env={})
 
 
@@ -58,7 +63,10 @@ def settings(tmp_path: Path, **sections: Any) -> Settings:
             "decouple: not implemented",
         ),
         (
-            {"local_runner": VLLM, "attention_store": {"tiering": {"l0_gpu": {"eviction": "lfu"}}}},
+            {
+                "local_runner": VLLM,
+                "attention_store": {**NO_DECOUPLE, "tiering": {"l0_gpu": {"eviction": "lfu"}}},
+            },
             "l0_gpu.eviction: vLLM evicts its own KV memory",
         ),
         ({"local_runner": {"engine": "sglang"}}, "local_runner.engine"),
@@ -67,6 +75,14 @@ def settings(tmp_path: Path, **sections: Any) -> Settings:
 def test_a_key_the_engine_would_ignore_stops_start_up_naming_it(tmp_path, sections, refusal):
     with pytest.raises(SettingsError, match=refusal.replace(".", r"\.").replace("(", r"\(")):
         settings(tmp_path, **sections)
+
+
+@pytest.mark.parametrize("runner", [{}, VLLM])
+def test_settings_written_back_with_every_key_read_the_same(tmp_path, runner):
+    """The benchmarks write parsed settings back (every key, defaults included): still accepted."""
+    first = settings(tmp_path, local_runner=runner)
+    again = parse_settings(msgspec.json.encode(first), tmp_path, env={})
+    assert again == first
 
 
 def test_the_settings_become_vllms_arguments_and_the_connectors_options(tmp_path):

