@@ -64,6 +64,14 @@ async def statuses_of(server, bodies: list[dict], headers: dict | None = None) -
         return list(await asyncio.gather(*(one(s, b) for b in bodies)))
 
 
+async def until(condition, timeout_s: float = 30.0) -> None:
+    """Wait for a condition on the server's state, polled: a fixed sleep is a race on a slow machine."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out waiting for the server"
+        await asyncio.sleep(0.02)
+
+
 def counting(i: int) -> dict:
     return {
         "model": MODEL,
@@ -118,11 +126,15 @@ async def test_a_client_past_its_share_gets_429_with_retry_after_while_another_w
     async with aiohttp.ClientSession() as s:
         running = await s.post(server.url + URL, json={**counting(0), "stream": True}, headers=a)
         assert running.status == 200  # A's first runs; A's next two fill the queue
-        queued = [
-            asyncio.ensure_future(s.post(server.url + URL, json={**counting(i), "stream": True}, headers=a))
-            for i in (1, 2)
-        ]
-        await asyncio.sleep(1.0)  # tokenized and queued (a 2-token prompt takes milliseconds)
+        runner = server.app[LOCAL_BACKEND].runner
+        queued = []
+        for i in (1, 2):  # one after the other, so which is A's newest is not left to the network
+            queued.append(
+                asyncio.ensure_future(
+                    s.post(server.url + URL, json={**counting(i), "stream": True}, headers=a)
+                )
+            )
+            await until(lambda n=i: len(runner.waiting_jobs()) == n)
         b = {"Authorization": "Bearer client-b"}
         b_task = asyncio.ensure_future(
             s.post(server.url + URL, json={**counting(3), "stream": True}, headers=b)
