@@ -4,7 +4,9 @@ Chunks only in the persistent tier are read into host memory, and every chunk of
 the fastest memory tier with room for it (L0 first), evicting only what the schedule allows (never a
 chunk a running or window job needs). It runs on a thread the store owns, never on the runner's thread.
 A prefetched chunk counts as used when a job's lookup matches it while it is still in memory, and as
-wasted when it leaves memory before that.
+wasted when it leaves memory before that. A chunk whose job left the queue before its turn here (the
+client went away, or a hit took its place) is skipped: nothing protects it any more, so bringing it up
+would only evict what queued jobs need.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class Prefetching:
             e = core.index.get(key)
             if e is None or e.removed:
                 return
+            if core.schedule is not None and key not in core.schedule.protected:
+                return  # its job is neither running nor in the look-ahead window any more
             tier = core.memory_tier_of(key)
             if tier is core.memory[0]:  # already where a job reads fastest
                 core.counters.prefetch_placed()

@@ -71,6 +71,29 @@ def test_prefetch_brings_a_disk_chunk_up_to_l0_and_counts_it_used(tmp_path):
     store.close()
 
 
+def test_a_prefetch_whose_job_left_the_window_is_skipped(tmp_path):
+    store = make(tmp_path, l0=4 * CB, l1=4 * CB, l2=8 * CB)
+    store.put("t", toks(CHUNK, 0), kv(CHUNK))
+    store.put("t", toks(CHUNK, 100), kv(CHUNK))
+    store.close()
+    store = make(tmp_path, l0=4 * CB, l1=4 * CB, l2=8 * CB)
+    waiting, gone = (
+        store.lookup("t", toks(CHUNK, 0), count=False),
+        store.lookup("t", toks(CHUNK, 100), count=False),
+    )
+    # Both were in the window when their prefetch was queued; the second job left before it ran.
+    store.set_schedule(Schedule.from_queue([], [[c.key for c in waiting.chunks]], window=1))
+    store.prefetch(waiting)
+    store.prefetch(gone)
+    assert store.wait_prefetched(10)
+    assert (tier_of(store, 0), tier_of(store, 100)) == ("l0", "l2")
+    store.set_schedule(None)  # without a scheduler's view every prefetch runs
+    store.prefetch(store.lookup("t", toks(CHUNK, 100), count=False))
+    assert store.wait_prefetched(10)
+    assert tier_of(store, 100) == "l0"
+    store.close()
+
+
 def test_a_prefetch_evicted_before_use_counts_as_wasted(tmp_path):
     store = make(tmp_path, l0=0, l1=CB, l2=4 * CB)
     store.put("t", toks(CHUNK, 0), kv(CHUNK))
