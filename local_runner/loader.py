@@ -25,6 +25,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from kvtier import KVLayout
 
+from .dense import can_pack as can_pack_linears
+from .dense import pack_linears
+
 log = logging.getLogger("attnstore.runner")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,6 +71,11 @@ class LoadedModel:
     max_context: int
     load_seconds: float
     eos_token_ids: frozenset[int]
+    # The dense path: "oneDNN packed" (linear weights reordered once, dense.py) or "plain" (why not, after
+    # a colon). `rows_invariant`: None until a batch_invariant runner makes the linear layers compute each
+    # row alone (dense.make_rows_invariant), then whether that was verified.
+    dense: str = "plain"
+    rows_invariant: bool | None = None
     tokenizers: ThreadTokenizers = field(init=False)
 
     def __post_init__(self) -> None:
@@ -201,6 +209,7 @@ def load_model(
         model = model.to(dev).eval()
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model {name!r} from {source!r}: {exc}") from exc
+    dense = prepare_dense(model, dt, dev)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layout = KVLayout(
@@ -235,4 +244,14 @@ def load_model(
         max_context=int(getattr(cfg, "max_position_embeddings", 2048)),
         load_seconds=seconds,
         eos_token_ids=frozenset(eos_ids),
+        dense=dense,
     )
+
+
+def prepare_dense(model: Any, dtype: torch.dtype, device: torch.device) -> str:
+    """Pack the linear weights for oneDNN where this machine can (dense.py); returns the dense path's
+    name for /healthz and the log."""
+    reason = can_pack_linears(dtype, device)
+    dense = f"oneDNN packed ({pack_linears(model)} linear layers)" if reason is None else f"plain: {reason}"
+    log.info("dense path: %s", dense)
+    return dense

@@ -12,6 +12,7 @@ import torch
 
 from kvtier import KVStore, PrefixMatch, Schedule, StoreStats, available_memory_bytes
 
+from .dense import make_rows_invariant
 from .job_kv import JobKV
 from .job_state import JobState
 from .jobs import GenerationRequest, Job
@@ -93,6 +94,9 @@ class Runner:
                 else:
                     log.info("model %s: truncated turns recompute (no position shift): %s", name, rope)
         self.shift_stats = ShiftStats()
+        if batch_invariant:
+            for lm in self.models.values():
+                self._make_rows_invariant(lm)
         # batch=False: one forward per job per step for every model (a benchmark's same-run baseline).
         self._packed = {name: batch and self._choose_step(lm) for name, lm in self.models.items()}
         self.pools = {name: self._make_pool(lm, max_running) for name, lm in self.models.items()}
@@ -117,6 +121,18 @@ class Runner:
             return True
         log.info("model %s: one forward per job (no batched steps): %s", lm.name, reason)
         return False
+
+    @staticmethod
+    def _make_rows_invariant(lm: LoadedModel) -> None:
+        """batch_invariant: a row's product must not depend on the rows beside it. The linear layers are
+        wrapped once per loaded model (dense.make_rows_invariant: measured per shape, padded tiles where
+        the kernel depends on the row count); a failed check is said, not hidden."""
+        if lm.rows_invariant is None:
+            lm.rows_invariant = make_rows_invariant(lm.model, lm.dtype, lm.device)
+            if not lm.rows_invariant:
+                log.warning(
+                    "model %s: batch_invariant: a linear layer still depends on the batch here", lm.name
+                )
 
     def _make_pool(self, lm: LoadedModel, slots: int) -> SlotPool:
         """The model's KV pool: a slot per running job, each with room for the whole context (on the CPU
@@ -225,6 +241,7 @@ class Runner:
                 "dtype": str(lm.dtype).removeprefix("torch."),
                 "batched": self._packed[name],
                 "batch_invariant": self.batch_invariant,
+                "dense": lm.dense,
                 "kv_slots": self.pools[name].slots,
                 "context": self.pools[name].capacity,
             }

@@ -87,6 +87,7 @@ def build_local_backend(
         max_queue=lr.max_queue,
         max_running=lr.max_running,
         max_batch_tokens=lr.max_batch_tokens,
+        batch_invariant=lr.batch_invariant,
         kv_budget_bytes=lr.max_running_kv_mb * MB,
         lookahead=preload.lookahead_turns if (preload.enabled and aware.enabled) else 0,
         scheduler_aware=aware.enabled,

@@ -1,0 +1,151 @@
+"""The dense path on the CPU: every linear layer's weight packed once for oneDNN (what inductor's
+`freezing` does, without a compile).
+
+Why: a step is mostly matrix products of a few rows (one per decoding job) against every weight of the
+model. torch's default CPU path for `F.linear` with 2-16 rows was measured here at about twice the time
+of one row (FACTS.md; 90 matrices of 576x1536: 37.5 ms for 1 row, 61.5 ms for 4), while a weight
+reordered for oneDNN's blocked kernels takes 25.5 / 30.0 / 38.9 / 43.8 ms for 1 / 4 / 8 / 16 rows. The
+packed kernel also computes each row the same way whatever the number of rows (checked at load, see
+`rows_are_independent`), which is what `batch_invariant` needs of the dense path.
+
+Packing is per linear module (any architecture), float32 only where oneDNN offers it (bfloat16 packing
+needs AVX-512 BF16 or AVX-NE-CONVERT; elsewhere the module stays as it is). Not on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("attnstore.runner")
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W reordered for oneDNN once (no autograd: inference only)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> str | None:
+    """None when linear weights of this dtype can be packed here, else why not."""
+    if device.type != "cpu":
+        return f"{device.type} runs its own matrix kernels"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch has no oneDNN"
+    if dtype == torch.float32:
+        return None
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
+    except RuntimeError as exc:
+        return f"oneDNN cannot pack {str(dtype).removeprefix('torch.')} weights on this CPU ({exc})".split(
+            "\n"
+        )[0]
+    return None
+
+
+def rows_are_independent(
+    linear: nn.Module, in_features: int, dtype: torch.dtype, max_rows: int, device: torch.device
+) -> bool:
+    """Is every row's result bit for bit the one it gets alone, whatever the number of rows beside it (1 to
+    max_rows)? A property of the kernels torch picks for this shape on this machine, so it is measured:
+    on this CPU some shapes hold for the first row only (a 1536 -> 576 product differs from row 2 on)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(max_rows, in_features, generator=g).to(dtype=dtype, device=device)
+    with torch.inference_mode():
+        alone = torch.cat([linear(x[k : k + 1]) for k in range(max_rows)])
+        sizes = sorted({2, 3, 4, 5, 7, 8, 13, 16, 17, 33, max_rows} & set(range(2, max_rows + 1)))
+        return all(torch.equal(linear(x[:n]), alone[:n]) for n in sizes)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear of `model` by a PackedLinear (a tied output head gets a packed copy of
+    its own; the embedding keeps the original). Returns how many were packed."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child))
+                count += 1
+    return count
+
+
+class FixedRowsLinear(nn.Module):
+    """A linear layer that multiplies at most `rows` rows per call. With `pad`, every call has exactly
+    `rows` rows (the last tile padded with zeros), so a row's result is computed by the same kernel
+    whatever the number of rows beside it: batch invariance for kernels whose result depends on the row
+    count (costs up to rows - 1 padded rows). Without `pad`, long inputs (a prompt's chunk) are cut to
+    row counts that were measured to be independent."""
+
+    def __init__(self, inner: nn.Module, in_features: int, rows: int, pad: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self.in_features = in_features
+        self.rows = rows
+        self.pad = pad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        n = flat.shape[0]
+        if not self.pad and n <= self.rows:
+            out = self.inner(flat)
+        else:
+            missing = (-n) % self.rows if self.pad else 0
+            if missing:
+                flat = torch.cat((flat, flat.new_zeros(missing, self.in_features)))
+            out = torch.cat([self.inner(tile) for tile in flat.split(self.rows)])[:n]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, int]]:
+    """(parent, attribute, module, in_features) of every (packed or plain) linear layer."""
+    found: list[tuple[nn.Module, str, nn.Module, int]] = []
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear | PackedLinear):
+                found.append((parent, name, child, child.in_features))
+    return found
+
+
+def make_rows_invariant(
+    model: nn.Module, dtype: torch.dtype, device: torch.device, measured_rows: int = 64, tile: int = 16
+) -> bool:
+    """Make every linear layer of `model` compute each row independently of the rows beside it: layers
+    whose kernels were measured independent up to `measured_rows` rows are only cut to that many rows per
+    call; the others multiply padded tiles of `tile` rows. Idempotent. Returns whether every layer was
+    measured independent afterwards (False: the model answers, but batch invariance is not assured)."""
+    found = [f for f in linears(model) if not isinstance(f[0], FixedRowsLinear)]
+    by_shape: dict[tuple[int, int], bool] = {}
+    for _, _, child, in_features in found:
+        shape = (in_features, int(getattr(child, "out_features", 0)))
+        if shape not in by_shape:
+            by_shape[shape] = rows_are_independent(child, in_features, dtype, measured_rows, device)
+    padded: dict[tuple[int, int], FixedRowsLinear] = {}
+    for parent, name, child, in_features in found:
+        shape = (in_features, int(getattr(child, "out_features", 0)))
+        independent = by_shape[shape]
+        wrapped = FixedRowsLinear(
+            child, in_features, measured_rows if independent else tile, pad=not independent
+        )
+        setattr(parent, name, wrapped)
+        if not independent:
+            padded.setdefault(shape, wrapped)
+    log.info(
+        "batch_invariant: %d linear layers, %d shapes; padded to tiles of %d rows: %s",
+        len(found),
+        len(by_shape),
+        tile,
+        sorted(padded) or "none",
+    )
+    return all(rows_are_independent(m, m.in_features, dtype, measured_rows, device) for m in padded.values())

@@ -1,0 +1,67 @@
+"""batch_invariant (issue 17): with the real model, 8 greedy answers served 8 at once equal the same
+requests served one at a time, token for token, in float32 and in bfloat16."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from local_runner.jobs import GenerationRequest
+from local_runner.loader import load_model
+from local_runner.params import SamplingParams
+from local_runner.runner import Runner
+from proxy.settings import DEFAULT_MODEL_SOURCE
+from tests.model_fixture import MODEL, REPO
+from tests.test_local_runner_batching import drain
+
+pytestmark = pytest.mark.model
+
+QUESTIONS = [
+    "Name three rivers in Europe.",
+    "What is the capital of Japan?",
+    "Write a haiku about autumn.",
+    "Explain what a cache is, in one sentence.",
+    "List the first five prime numbers.",
+    "Why is the sky blue?",
+    "Give me a synonym for happy.",
+    "How many legs does a spider have?",
+]
+TOKENS = 12
+
+
+async def answers(runner: Runner, prompts: list[list[int]], together: bool) -> list[str]:
+    def submit(ids: list[int]):
+        return runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=TOKENS, temperature=0)))
+
+    if together:
+        outs = await asyncio.gather(*(drain(submit(p)) for p in prompts))
+    else:
+        outs = [await drain(submit(p)) for p in prompts]
+    return [o.text for o in outs]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Models of their own: batch_invariant wraps the linear layers of the model it runs (the session's
+    shared model stays as the other tests know it)."""
+    load = {"device": "cpu", "cache_dir": REPO / "var" / "models"}
+    return {
+        dtype: load_model(MODEL, DEFAULT_MODEL_SOURCE, dtype=dtype, **load)
+        for dtype in ("float32", "bfloat16")
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_eight_answers_served_together_equal_each_served_alone(models, dtype):
+    lm = models[dtype]
+    runner = Runner({MODEL: lm}, max_running=8, max_queue=8, batch_invariant=True)
+    try:
+        prompts = [runner.render(MODEL, [{"role": "user", "content": q}]) for q in QUESTIONS]
+        alone = await answers(runner, prompts, together=False)
+        together = await answers(runner, prompts, together=True)
+    finally:
+        runner.close()
+    assert lm.rows_invariant  # every linear layer was measured to compute each row alone
+    assert together == alone
+    assert len(set(alone)) > 1  # real, different answers
