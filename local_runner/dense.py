@@ -108,6 +108,55 @@ class FixedRowsLinear(nn.Module):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+class ProjectionSlice(nn.Module):
+    """What was q_proj (k_proj, gate_proj, ...) before its weight joined a fused projection: for
+    transformers' own forward (the reference path) it computes the fused product and keeps its columns
+    [lo, hi). The fused module is looked up on its owner at each call, so a later wrapper is honoured."""
+
+    def __init__(self, owner: nn.Module, attribute: str, lo: int, hi: int) -> None:
+        super().__init__()
+        self.__dict__["_owner"] = owner  # not a submodule: the owner already holds the fused module
+        self.attribute = attribute
+        self.lo, self.hi = lo, hi
+        self.in_features = getattr(owner, attribute).in_features
+        self.out_features = hi - lo
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self.__dict__["_owner"], self.attribute)(x)[..., self.lo : self.hi]
+
+
+def fuse(owner: nn.Module, parts: tuple[str, ...], fused_name: str) -> bool:
+    """Replace the nn.Linear children `parts` of `owner` (same input, all with or all without bias) by one
+    nn.Linear `fused_name` whose output is theirs side by side: one matrix product instead of several
+    (fewer calls, a wider product). The parts become ProjectionSlice views for transformers' forward.
+    False (nothing changed) where they do not fit."""
+    mods = [getattr(owner, name, None) for name in parts]
+    if not all(isinstance(m, nn.Linear) for m in mods):
+        return False
+    linears_ = [m for m in mods if isinstance(m, nn.Linear)]
+    if len({m.in_features for m in linears_}) != 1 or len({m.bias is None for m in linears_}) != 1:
+        return False
+    first = linears_[0]
+    fused = nn.Linear(
+        first.in_features,
+        sum(m.out_features for m in linears_),
+        bias=first.bias is not None,
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([m.weight for m in linears_]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([m.bias for m in linears_ if m.bias is not None]))
+    fused.requires_grad_(False)
+    setattr(owner, fused_name, fused)
+    lo = 0
+    for name, m in zip(parts, linears_, strict=True):
+        setattr(owner, name, ProjectionSlice(owner, fused_name, lo, lo + m.out_features))
+        lo += m.out_features
+    return True
+
+
 def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, int]]:
     """(parent, attribute, module, in_features) of every (packed or plain) linear layer."""
     found: list[tuple[nn.Module, str, nn.Module, int]] = []

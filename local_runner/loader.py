@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from kvtier import KVLayout
 
+from .decoder import DecoderStack, fuse_projections
 from .dense import can_pack as can_pack_linears
 from .dense import pack_linears
 
@@ -192,6 +194,20 @@ def load_model(
     cache_dir: str | Path = "./var/models",
     threads: int = 0,
 ) -> LoadedModel:
+    """Load (converting a GGUF once) and prepare a model. The work runs on a thread that ends with it:
+    every thread that runs a parallel torch op keeps an OpenMP team for life, and once the process's
+    teams hold more threads than there are cores, GNU OpenMP stops spinning between parallel regions
+    (GOMP_SPINCOUNT's throttling). Measured on this 2-core CPU: a decode step on the runner's thread took
+    ~40 ms after a load on the main thread, ~24 ms after a load on a thread of its own."""
+    with ThreadPoolExecutor(1, thread_name_prefix="attnstore-load") as pool:
+        return pool.submit(
+            _load_model, name, source, device=device, dtype=dtype, cache_dir=cache_dir, threads=threads
+        ).result()
+
+
+def _load_model(
+    name: str, source: str, *, device: str, dtype: str, cache_dir: str | Path, threads: int
+) -> LoadedModel:
     started = time.perf_counter()
     configure_threads(threads)
     dev = resolve_device(device)
@@ -249,8 +265,10 @@ def load_model(
 
 
 def prepare_dense(model: Any, dtype: torch.dtype, device: torch.device) -> str:
-    """Pack the linear weights for oneDNN where this machine can (dense.py); returns the dense path's
-    name for /healthz and the log."""
+    """Fuse a Llama-family model's projections (decoder.py) and pack the linear weights for oneDNN where
+    this machine can (dense.py); returns the dense path's name for /healthz and the log."""
+    if DecoderStack.unfit(model) is None:
+        log.info("fused q/k/v and gate/up projections in %d layers", fuse_projections(model))
     reason = can_pack_linears(dtype, device)
     dense = f"oneDNN packed ({pack_linears(model)} linear layers)" if reason is None else f"plain: {reason}"
     log.info("dense path: %s", dense)

@@ -12,6 +12,7 @@ import torch
 
 from kvtier import KVStore, PrefixMatch, Schedule, StoreStats, available_memory_bytes
 
+from .decoder import DecoderStack
 from .dense import make_rows_invariant
 from .job_kv import JobKV
 from .job_state import JobState
@@ -99,6 +100,11 @@ class Runner:
                 self._make_rows_invariant(lm)
         # batch=False: one forward per job per step for every model (a benchmark's same-run baseline).
         self._packed = {name: batch and self._choose_step(lm) for name, lm in self.models.items()}
+        # The packed step's forward: decoder.py's loop where the model has Llama's layers (built after
+        # batch_invariant wrapped the linear layers, so it calls the wrapped ones).
+        self._stacks = {
+            name: self._choose_stack(lm) for name, lm in self.models.items() if self._packed[name]
+        }
         self.pools = {name: self._make_pool(lm, max_running) for name, lm in self.models.items()}
         config = SchedulerConfig(
             max_queue=max_queue,
@@ -121,6 +127,14 @@ class Runner:
             return True
         log.info("model %s: one forward per job (no batched steps): %s", lm.name, reason)
         return False
+
+    @staticmethod
+    def _choose_stack(lm: LoadedModel) -> DecoderStack | None:
+        reason = DecoderStack.unfit(lm.model)
+        if reason is None:
+            return DecoderStack(lm.model)
+        log.info("model %s: the packed step runs the transformers forward: %s", lm.name, reason)
+        return None
 
     @staticmethod
     def _make_rows_invariant(lm: LoadedModel) -> None:
@@ -287,7 +301,7 @@ class Runner:
     def _forward(self, model: str, work: list[Work]) -> list[torch.Tensor | None]:
         lm = self.models[model]
         if self._packed[model]:
-            return run_packed(lm, work, batch_invariant=self.batch_invariant)
+            return run_packed(lm, work, batch_invariant=self.batch_invariant, stack=self._stacks[model])
         return run_per_job(lm, work)
 
     def packed(self, state: JobState) -> bool:

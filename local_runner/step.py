@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .decoder import DecoderStack
 from .job_kv import JobKV
 from .kv_cache import job_cache
 from .loader import LoadedModel
@@ -27,10 +28,11 @@ class Work:
 
 @torch.inference_mode()
 def run_packed(
-    lm: LoadedModel, work: list[Work], *, batch_invariant: bool = False
+    lm: LoadedModel, work: list[Work], *, batch_invariant: bool = False, stack: DecoderStack | None = None
 ) -> list[torch.Tensor | None]:
     """All jobs' new tokens as one sequence, each at its own positions; decoding jobs attend in one
-    batched call per layer (or each alone with `batch_invariant`), see packed_attention."""
+    batched call per layer (or each alone with `batch_invariant`), see packed_attention. With `stack`
+    the forward is decoder.py's loop over the model's modules, else the transformers forward."""
     ids: list[int] = []
     positions: list[int] = []
     segments: list[Segment] = []
@@ -43,14 +45,21 @@ def run_packed(
         if w.want_logits:
             keep.append(len(ids) - 1)
     dev = lm.device
-    out = lm.model(
-        input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-        position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
-        use_cache=False,
-        logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
-        **{PLAN_KWARG: PackedPlan(segments, batch_invariant)},
-    )
-    logits = out.logits[0]
+    plan = PackedPlan(segments, batch_invariant)
+    ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+    positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
+    keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
+    if stack is not None:
+        logits = stack.forward(ids_t, positions_t, keep_t, plan)
+    else:
+        out = lm.model(
+            input_ids=ids_t[None],
+            position_ids=positions_t[None],
+            use_cache=False,
+            logits_to_keep=keep_t,
+            **{PLAN_KWARG: plan},
+        )
+        logits = out.logits[0]
     result: list[torch.Tensor | None] = []
     row = 0
     for w in work:

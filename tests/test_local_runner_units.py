@@ -84,6 +84,73 @@ def test_plain_generate_is_unchanged_by_the_packed_attention():
     assert torch.equal(a, b)
 
 
+def _stack_and_reference_steps(lm, stack, reference_lm):
+    """The same two steps (a prefill with history, then a decode beside a new prompt) through the decoder
+    stack on `lm` and through the transformers forward on `reference_lm`: both steps' logits and K/V."""
+    out = []
+    for model_lm, with_stack in ((lm, stack), (reference_lm, None)):
+        a, b = _shared(model_lm, 2)
+        first = run_packed(model_lm, [Work(a, [5, 9, 13, 2], want_logits=True)], stack=with_stack)
+        second = run_packed(
+            model_lm,
+            [Work(a, [40], want_logits=True), Work(b, [7, 8, 9], want_logits=True)],
+            stack=with_stack,
+        )
+        out.append((first + second, [t for kv in (a, b) for pair in kv.layers() for t in pair]))
+    return out
+
+
+def test_the_decoder_stack_computes_what_the_transformers_forward_does():
+    """Same modules, same arithmetic op for op: the decoder loop's logits and K/V are the transformers
+    forward's bit for bit."""
+    from local_runner.decoder import DecoderStack
+    from local_runner.packed_attention import use_packed_attention
+
+    lm = tiny_loaded(model=tiny_llama(seed=4))
+    use_packed_attention(lm.model)
+    (logits, kv), (ref_logits, ref_kv) = _stack_and_reference_steps(lm, DecoderStack(lm.model), lm)
+    assert all(torch.equal(x, y) for x, y in zip(logits, ref_logits, strict=True) if x is not None)
+    assert all(torch.equal(x, y) for x, y in zip(kv, ref_kv, strict=True))
+
+
+def test_fused_and_packed_projections_change_only_rounding():
+    """load_model fuses q/k/v and gate/up and packs the linear layers: the decoder stack on such a model
+    agrees with the untouched model's transformers forward to float rounding, and transformers' own
+    forward on the fused model (through the projection slices) still works."""
+    from local_runner.decoder import DecoderStack
+    from local_runner.loader import prepare_dense
+    from local_runner.packed_attention import use_packed_attention
+
+    fused, plain = tiny_loaded(model=tiny_llama(seed=5)), tiny_loaded(model=tiny_llama(seed=5))
+    prepare_dense(fused.model, torch.float32, torch.device("cpu"))
+    assert hasattr(fused.model.model.layers[0].self_attn, "qkv_proj")
+    for lm in (fused, plain):
+        use_packed_attention(lm.model)
+    (logits, kv), (ref_logits, ref_kv) = _stack_and_reference_steps(fused, DecoderStack(fused.model), plain)
+    for x, y in zip(logits, ref_logits, strict=True):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert torch.allclose(x, y, atol=1e-5), (x - y).abs().max()
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(kv, ref_kv, strict=True))
+    ids = torch.tensor([[5, 9, 13, 2, 40]])
+    with torch.inference_mode():
+        assert torch.equal(
+            fused.model.generate(ids, max_new_tokens=6), plain.model.generate(ids, max_new_tokens=6)
+        )
+
+
+def test_a_model_without_llamas_layer_is_said_unfit_for_the_decoder_stack():
+    from local_runner.decoder import DecoderStack
+
+    model = tiny_llama(seed=6)
+    assert DecoderStack.unfit(model) is None
+    model.config.hidden_act = "gelu"
+    assert "activation 'gelu'" in (DecoderStack.unfit(model) or "")
+    del model.model.layers[0].mlp.gate_proj
+    model.config.hidden_act = "silu"
+    assert "mlp.gate_proj" in (DecoderStack.unfit(model) or "")
+
+
 def test_job_kv_writes_into_its_own_slot_only_and_crops():
     lm = tiny_loaded()
     pool = SlotPool(lm.layout, lm.device, 3, 8)
