@@ -190,7 +190,7 @@ def test_healthz_names_each_local_models_device_dtype_and_batching(local_proxy):
         "dtype": "float32",
         "batched": True,
         "batch_invariant": False,
-        "kv_slots": 4,
+        "kv_slots": 16,
         "context": 8192,
     }
 
