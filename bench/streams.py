@@ -5,8 +5,10 @@ token of a long prompt that nothing is reused for.
     python -m bench.streams --target attnstore=http://127.0.0.1:8080 --target vllm=http://127.0.0.1:8100 \\
         --streams 1 4 8 16 --reps 3 --json streams.json
 
-Each server must already run (alone on the machine while it is measured: start one, measure it, or keep
-the other idle; an idle vLLM uses no CPU). The servers are interleaved: for every stream count, every
+Each server must already run, alone on the machine while it is measured. A server that just answered is
+not idle at once (vLLM CPU keeps its cores busy for seconds after a burst: attnstore measured 0.5-0.6x
+of its own rate right after vLLM's turn), so give each server's process group with `--pause
+label=PGID`: the others are stopped (SIGSTOP) while one is measured and resumed after. The servers are interleaved: for every stream count, every
 server in turn, `--reps` times, and the median is reported. Answers are forced to `--tokens` tokens with
 `ignore_eos` (vLLM's extension; attnstore serves it too), so every server decodes the same amount.
 """
@@ -15,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import random
+import signal
 import statistics
 import time
 from dataclasses import dataclass
@@ -118,23 +123,50 @@ def long_prompt(words: int, seed: int) -> str:
     return f"Document {seed}. " + " ".join(rnd.choice(WORDS) for _ in range(words))
 
 
+class Alone:
+    """Stops every other server's process group (SIGSTOP) while one is measured; resumes all at the end."""
+
+    def __init__(self, groups: dict[str, int]) -> None:
+        self.groups = groups
+
+    def only(self, name: str) -> None:
+        for other, pgid in self.groups.items():
+            os.killpg(pgid, signal.SIGCONT if other == name else signal.SIGSTOP)
+
+    def resume_all(self) -> None:
+        for pgid in self.groups.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGCONT)
+
+
 async def run(args: argparse.Namespace) -> dict:
+    alone = Alone({label: int(pgid) for label, pgid in (g.split("=", 1) for g in args.pause)})
+    try:
+        return await _run(args, alone)
+    finally:
+        alone.resume_all()
+
+
+async def _run(args: argparse.Namespace, alone: Alone) -> dict:
     targets = [t.split("=", 1) for t in args.target]
     rates: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.streams} for name, _ in targets}
     ttfts: dict[str, list[float]] = {name: [] for name, _ in targets}
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        for _, url in targets:  # warm-up: first requests pay one-time costs on every server
+        for name, url in targets:  # warm-up: first requests pay one-time costs on every server
+            alone.only(name)
             await one_stream(http, url, args.model, "Hello there.", 4)
         salt = random.randrange(1 << 30)
         for rep in range(args.reps):
             for n in args.streams:
                 for name, url in targets if rep % 2 == 0 else list(reversed(targets)):
                     salt += 1
+                    alone.only(name)
                     rates[name][n].append(await streams_rate(http, url, args.model, n, args.tokens, salt))
                     print(f"rep {rep} {name} {n} streams: {rates[name][n][-1]:.1f} tok/s", flush=True)
             for name, url in targets if rep % 2 == 0 else list(reversed(targets)):
                 salt += 1
+                alone.only(name)
                 r = await one_stream(http, url, args.model, long_prompt(args.long_words, salt), 1)
                 ttfts[name].append(r.ttft_s)
                 print(f"rep {rep} {name} long prompt TTFT {r.ttft_s:.2f} s", flush=True)
@@ -177,6 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--long-words", type=int, default=1500, help="words of the long prompt (~2,000 tokens)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument(
+        "--pause",
+        action="append",
+        default=[],
+        help="label=PGID: that server's process group, stopped while another server is measured",
+    )
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
     result = asyncio.run(run(args))
