@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from kvtier import KVStore, StoreConfig
 from local_runner.jobs import Finished, FirstToken, GenerationRequest, TextDelta
-from local_runner.loader import LoadedModel, load_model
+from local_runner.loader import LoadedModel, load_model, on_passing_thread
 from local_runner.runner import Runner
 from local_runner.sampling import SamplingParams
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
@@ -184,55 +184,32 @@ def run(args: argparse.Namespace) -> None:
             max_queue=64,
             max_batch_tokens=args.max_batch_tokens,
         )
-        per_job = Runner({MODEL: lm}, max_running=max(args.streams), max_queue=64, batch=False)
-        # batch_invariant wraps its model's linear layers, so it runs a copy of its own.
-        invariant = (
-            Runner(
-                {MODEL: load_model(MODEL, DEFAULT_MODEL_SOURCE, dtype=args.dtype, cache_dir=args.cache_dir)},
-                max_running=max(args.streams),
-                max_queue=64,
-                max_batch_tokens=args.max_batch_tokens,
-                batch_invariant=True,
-            )
-            if args.invariant
-            else None
-        )
         try:
             asyncio.run(run_stream(runner, prompt_ids(lm, 64), 4))  # warm-up
-            if invariant:
-                asyncio.run(run_stream(invariant, prompt_ids(lm, 64), 4))
             print(f"\nprompt {args.prompt} tokens, {args.decode} greedy tokens per stream")
             print(
                 "| streams | aggregate decode tok/s | all decoding tok/s | plain batched limit tok/s | ratio | TTFT p50 s | ITL p50 ms | ITL p99 ms |"
             )
             print("|---|---|---|---|---|---|---|---|")
             for n in args.streams:
-                if args.per_job:
-                    row = asyncio.run(concurrency_row(per_job, lm, n, args.prompt, args.decode))
+                if args.per_job:  # a runner per row: its thread's OpenMP team ends with it (loader.py)
+                    per_job = Runner({MODEL: lm}, max_running=max(args.streams), max_queue=64, batch=False)
+                    try:
+                        row = asyncio.run(concurrency_row(per_job, lm, n, args.prompt, args.decode))
+                    finally:
+                        per_job.close()
                     print(
                         f"| {n} one forward per job | {row['tok_s']:.1f} | {row['steady_tok_s']:.1f} | | | "
                         f"{row['ttft_p50']:.2f} | {row['itl_p50'] * 1000:.0f} | {row['itl_p99'] * 1000:.0f} |"
                     )
                 row = asyncio.run(concurrency_row(runner, lm, n, args.prompt, args.decode))
-                limit = plain_batched_limit(lm, n, args.prompt)
+                limit = on_passing_thread(plain_batched_limit, lm, n, args.prompt)  # see its docstring
                 print(
                     f"| {n} | {row['tok_s']:.1f} | {row['steady_tok_s']:.1f} | {limit:.1f} | {row['tok_s'] / limit:.2f} | "
                     f"{row['ttft_p50']:.2f} | {row['itl_p50'] * 1000:.0f} | {row['itl_p99'] * 1000:.0f} |"
                 )
-                if invariant:
-                    inv = asyncio.run(concurrency_row(invariant, lm, n, args.prompt, args.decode))
-                    print(
-                        f"| {n} batch_invariant | {inv['tok_s']:.1f} | {inv['steady_tok_s']:.1f} | | "
-                        f"{inv['tok_s'] / row['tok_s']:.2f} of default | "
-                        f"{inv['ttft_p50']:.2f} | {inv['itl_p50'] * 1000:.0f} | {inv['itl_p99'] * 1000:.0f} |"
-                    )
             if args.long:
                 alone = asyncio.run(run_stream(runner, prompt_ids(lm, args.long, 4242), 4))
-                if invariant:
-                    inv_long = asyncio.run(run_stream(invariant, prompt_ids(lm, args.long, 4243), 4))
-                    print(
-                        f"\nlong prompt with batch_invariant: TTFT alone {(inv_long.first or 0) - inv_long.submitted:.2f} s"
-                    )
                 r = asyncio.run(long_prompt_arrives(runner, lm, args.long))
                 print(
                     f"\nlong prompt ({args.long} tokens, no reuse): TTFT alone {(alone.first or 0) - alone.submitted:.2f} s, "
@@ -246,9 +223,6 @@ def run(args: argparse.Namespace) -> None:
                 )
         finally:
             runner.close()
-            per_job.close()
-            if invariant:
-                invariant.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -261,11 +235,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument(
         "--per-job", action="store_true", help="also run each N with one forward per job (no batching)"
-    )
-    p.add_argument(
-        "--invariant",
-        action="store_true",
-        help="also run each N with batch_invariant (a second copy of the model), right after the default",
     )
     p.add_argument("--cache-dir", default="./var/models")
     run(p.parse_args(argv))

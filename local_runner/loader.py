@@ -15,10 +15,11 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import xxhash
@@ -31,6 +32,8 @@ from .dense import can_pack as can_pack_linears
 from .dense import pack_linears
 
 log = logging.getLogger("attnstore.runner")
+
+T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _READY_MARK = "attnstore-converted.ok"
@@ -194,15 +197,20 @@ def load_model(
     cache_dir: str | Path = "./var/models",
     threads: int = 0,
 ) -> LoadedModel:
-    """Load (converting a GGUF once) and prepare a model. The work runs on a thread that ends with it:
-    every thread that runs a parallel torch op keeps an OpenMP team for life, and once the process's
-    teams hold more threads than there are cores, GNU OpenMP stops spinning between parallel regions
-    (GOMP_SPINCOUNT's throttling). Measured on this 2-core CPU: a decode step on the runner's thread took
-    ~40 ms after a load on the main thread, ~24 ms after a load on a thread of its own."""
-    with ThreadPoolExecutor(1, thread_name_prefix="attnstore-load") as pool:
-        return pool.submit(
-            _load_model, name, source, device=device, dtype=dtype, cache_dir=cache_dir, threads=threads
-        ).result()
+    """Load (converting a GGUF once) and prepare a model, on a thread of its own (on_passing_thread)."""
+    return on_passing_thread(
+        _load_model, name, source, device=device, dtype=dtype, cache_dir=cache_dir, threads=threads
+    )
+
+
+def on_passing_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) on a thread that ends with it. Every thread that runs a parallel torch op keeps
+    an OpenMP team for life, and once the process's teams hold more threads than there are cores, GNU
+    OpenMP stops spinning between parallel regions (GOMP_SPINCOUNT's throttling): measured on this 2-core
+    CPU, a decode step on the runner's thread took ~40 ms after a load on the main thread, ~24 ms after a
+    load here. So torch work outside the runner's thread (a load, a benchmark's baseline) runs here."""
+    with ThreadPoolExecutor(1, thread_name_prefix="attnstore-passing") as pool:
+        return pool.submit(fn, *args, **kwargs).result()
 
 
 def _load_model(
