@@ -39,6 +39,7 @@ class BenchOptions:
     peer: list[str] = field(default_factory=list)  # OpenAI-compatible base URLs
     peer_label: list[str] = field(default_factory=list)  # names for them, in the same order
     peer_model: list[str] = field(default_factory=list)  # model names they serve, in the same order
+    peer_pgid: list[int] = field(default_factory=list)  # their process groups, stopped while others run
     sessions: int = 0  # S conversations all open at once, served least recently served first
     turns: int = 0  # T turns each (default: --max-turns)
     fast_memory_mb: float | None = None  # the in-process attnstore's L0 + L1, half each
@@ -100,6 +101,14 @@ def parser() -> argparse.ArgumentParser:
         "--peer-model", action="append", default=[], help="the model name it serves (default: --model)"
     )
     g.add_argument(
+        "--peer-pgid",
+        action="append",
+        type=int,
+        default=[],
+        help="its process group: stopped (SIGSTOP) while the other servers' waves run, so each is alone "
+        "on the machine (vLLM CPU keeps the cores busy for seconds after a burst); repeatable",
+    )
+    g.add_argument(
         "--sessions", type=int, default=0, help="S conversations open at once (default: --conversations)"
     )
     g.add_argument("--turns", type=int, default=0, help="T turns each (default: --max-turns)")
@@ -133,8 +142,8 @@ def check(options: BenchOptions) -> str | None:
     """What is wrong with these options, in one line; None when they make a run."""
     if options.concurrency < 1 or options.conversations < 1:
         return "--concurrency and --conversations must be at least 1"
-    if len(options.peer_label) > len(options.peer) or len(options.peer_model) > len(options.peer):
-        return "--peer-label and --peer-model name peers: give each after its --peer"
+    if max(len(options.peer_label), len(options.peer_model), len(options.peer_pgid)) > len(options.peer):
+        return "--peer-label, --peer-model and --peer-pgid name peers: give each after its --peer"
     if options.sessions < 0 or options.turns < 0:
         return "--sessions and --turns must be positive"
     if options.fast_memory_mb is not None and options.fast_memory_mb < 0:

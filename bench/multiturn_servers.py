@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,7 @@ class Target:
     url: str  # chat endpoint
     base: str  # server root (for /v1/attention_store/stats)
     model: str | None = None  # model name to request there (None: the bench's --model)
+    pgid: int | None = None  # its process group, stopped while the other servers' waves run
 
 
 def target_at(label: str, url: str, model: str | None = None) -> Target:
@@ -127,7 +128,8 @@ def peer_targets(options: BenchOptions, taken: set[str]) -> list[Target]:
             label += "'"
         taken.add(label)
         model = options.peer_model[i] if i < len(options.peer_model) else None
-        out.append(target_at(label, url, model))
+        pgid = options.peer_pgid[i] if i < len(options.peer_pgid) else None
+        out.append(replace(target_at(label, url, model), pgid=pgid))
     return out
 
 

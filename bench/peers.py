@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import sys
 import time
 import uuid
@@ -133,13 +135,24 @@ class ManySessions:
         h.turn += 1
 
     async def run(self, bar: Any) -> None:
+        try:
+            await self._run(bar)
+        finally:
+            self._alone(None)
+
+    def _alone(self, target: Target | None) -> None:
+        alone_on_the_machine(self.targets, target)
+
+    async def _run(self, bar: Any) -> None:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             for t in self.targets:
+                self._alone(t)
                 await self._warm_up(http, t)
             wave = 0
             while picked := self.next_wave():
                 order = self.targets if wave % 2 == 0 else self.targets[::-1]
                 for t in order:
+                    self._alone(t)
                     started = time.perf_counter()
                     await asyncio.gather(*(self._send(http, t, i, wave) for i in picked))
                     self.wall_s[t.mode] += time.perf_counter() - started
@@ -159,6 +172,14 @@ class ManySessions:
         }
         with contextlib.suppress(*FAILURES):
             await stream_chat(http, t.url, body, api_key=self.o.api_key + "-warm-up", timeout_s=300)
+
+
+def alone_on_the_machine(targets: Sequence[Target], target: Target | None) -> None:
+    """Stop every server given a process group but `target` (SIGSTOP); None resumes them all."""
+    for t in targets:
+        if t.pgid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(t.pgid, signal.SIGCONT if target is None or t is target else signal.SIGSTOP)
 
 
 def workload(options: BenchOptions) -> tuple[int, int]:

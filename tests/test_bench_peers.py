@@ -96,3 +96,39 @@ def test_many_sessions_against_a_second_attnstore_and_the_fake_upstream(
     assert max(len(r.json["messages"]) for r in measured) == 3  # user, its answer, the next user turn
     assert data["meta"]["workload"]["sessions"] == 3 and data["meta"]["fast_memory_mb"] == 64
     assert report["paths"]["json"] == str(out)
+
+
+def test_a_peer_given_its_process_group_is_stopped_while_another_server_runs():
+    """--peer-pgid: the peer's whole process group is stopped during the other servers' waves and
+    resumed for its own and at the end (a real process, its state read from /proc)."""
+    import subprocess
+    from dataclasses import replace
+
+    from bench.multiturn_servers import target_at
+    from bench.peers import alone_on_the_machine
+
+    def stopped(pid: int, expect_stopped: bool) -> bool:
+        """Its state in /proc once the signal has landed (delivery is asynchronous: polled until it is
+        `expect_stopped`, 5 s at most)."""
+        import time
+
+        deadline = time.monotonic() + 5
+        while True:
+            with open(f"/proc/{pid}/stat") as f:
+                is_stopped = f.read().rsplit(")", 1)[1].split()[0] == "T"
+            if time.monotonic() > deadline:
+                return is_stopped
+            time.sleep(0.05)
+            if is_stopped == expect_stopped:
+                return is_stopped
+
+    peer_process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        peer = replace(target_at("peer", "http://127.0.0.1:1"), pgid=peer_process.pid)
+        ours = target_at("attnstore", "http://127.0.0.1:2")
+        for runs, expect_stopped in ((ours, True), (peer, False), (ours, True), (None, False)):
+            alone_on_the_machine([ours, peer], runs)  # None: the end, every server resumed
+            assert stopped(peer_process.pid, expect_stopped) == expect_stopped, runs
+    finally:
+        peer_process.kill()
+        peer_process.wait()
