@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from local_runner.jobs import GenerationRequest
 from local_runner.loader import load_model
@@ -65,3 +66,17 @@ async def test_eight_answers_served_together_equal_each_served_alone(models, dty
     assert lm.rows_invariant  # every linear layer was measured to compute each row alone
     assert together == alone
     assert len(set(alone)) > 1  # real, different answers
+
+
+async def test_in_float32_the_default_engine_answers_as_alone(smollm):
+    """The contract's float32 promise holds without batch_invariant: the batched decode attention and
+    the row-count-dependent products change float32 results only far below what moves a greedy token."""
+    assert smollm.dtype == torch.float32 and smollm.rows_invariant is None  # the default engine's model
+    runner = Runner({MODEL: smollm}, max_running=8, max_queue=8)
+    try:
+        prompts = [runner.render(MODEL, [{"role": "user", "content": q}]) for q in QUESTIONS]
+        alone = await answers(runner, prompts, together=False)
+        together = await answers(runner, prompts, together=True)
+    finally:
+        runner.close()
+    assert together == alone
