@@ -144,7 +144,10 @@ class ManySessions:
         alone_on_the_machine(self.targets, target)
 
     async def _run(self, bar: Any) -> None:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        # A connection per turn: a server stopped between its waves (--peer-pgid) may close idle
+        # connections as it resumes, under a request being written.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as http:
             for t in self.targets:
                 self._alone(t)
                 await self._warm_up(http, t)
@@ -177,9 +180,9 @@ class ManySessions:
 def alone_on_the_machine(targets: Sequence[Target], target: Target | None) -> None:
     """Stop every server given a process group but `target` (SIGSTOP); None resumes them all."""
     for t in targets:
-        if t.pgid is not None:
+        for pgid in t.pgids:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(t.pgid, signal.SIGCONT if target is None or t is target else signal.SIGSTOP)
+                os.killpg(pgid, signal.SIGCONT if target is None or t is target else signal.SIGSTOP)
 
 
 def workload(options: BenchOptions) -> tuple[int, int]:

@@ -126,21 +126,24 @@ def long_prompt(words: int, seed: int) -> str:
 class Alone:
     """Stops every other server's process group (SIGSTOP) while one is measured; resumes all at the end."""
 
-    def __init__(self, groups: dict[str, int]) -> None:
+    def __init__(self, groups: dict[str, list[int]]) -> None:
         self.groups = groups
 
     def only(self, name: str) -> None:
-        for other, pgid in self.groups.items():
-            os.killpg(pgid, signal.SIGCONT if other == name else signal.SIGSTOP)
+        for other, pgids in self.groups.items():
+            for pgid in pgids:
+                os.killpg(pgid, signal.SIGCONT if other == name else signal.SIGSTOP)
 
     def resume_all(self) -> None:
-        for pgid in self.groups.values():
+        for pgid in (p for pgids in self.groups.values() for p in pgids):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGCONT)
 
 
 async def run(args: argparse.Namespace) -> dict:
-    alone = Alone({label: int(pgid) for label, pgid in (g.split("=", 1) for g in args.pause)})
+    alone = Alone(
+        {label: [int(p) for p in pgids.split(",")] for label, pgids in (g.split("=", 1) for g in args.pause)}
+    )
     try:
         return await _run(args, alone)
     finally:
@@ -213,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         "--pause",
         action="append",
         default=[],
-        help="label=PGID: that server's process group, stopped while another server is measured",
+        help="label=PGID[,PGID...]: that server's process groups (attnstore on vLLM: the proxy's and its "
+        "vLLM's), stopped while another server is measured",
     )
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
