@@ -31,15 +31,20 @@ QUESTIONS = [
 TOKENS = 12
 
 
-async def answers(runner: Runner, prompts: list[list[int]], together: bool) -> list[str]:
+async def alone_and_together(lm, *, batch_invariant: bool) -> tuple[list[str], list[str]]:
+    """The 8 questions' greedy answers served one at a time, then all 8 at once, by a runner of 8 slots."""
+    runner = Runner({MODEL: lm}, max_running=8, max_queue=8, batch_invariant=batch_invariant)
+
     def submit(ids: list[int]):
         return runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=TOKENS, temperature=0)))
 
-    if together:
-        outs = await asyncio.gather(*(drain(submit(p)) for p in prompts))
-    else:
-        outs = [await drain(submit(p)) for p in prompts]
-    return [o.text for o in outs]
+    try:
+        prompts = [runner.render(MODEL, [{"role": "user", "content": q}]) for q in QUESTIONS]
+        alone = [(await drain(submit(p))).text for p in prompts]
+        together = [o.text for o in await asyncio.gather(*(drain(submit(p)) for p in prompts))]
+    finally:
+        runner.close()
+    return alone, together
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +61,7 @@ def models():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 async def test_eight_answers_served_together_equal_each_served_alone(models, dtype):
     lm = models[dtype]
-    runner = Runner({MODEL: lm}, max_running=8, max_queue=8, batch_invariant=True)
-    try:
-        prompts = [runner.render(MODEL, [{"role": "user", "content": q}]) for q in QUESTIONS]
-        alone = await answers(runner, prompts, together=False)
-        together = await answers(runner, prompts, together=True)
-    finally:
-        runner.close()
+    alone, together = await alone_and_together(lm, batch_invariant=True)
     assert lm.rows_invariant  # every linear layer was measured to compute each row alone
     assert together == alone
     assert len(set(alone)) > 1  # real, different answers
@@ -72,11 +71,5 @@ async def test_in_float32_the_default_engine_answers_as_alone(smollm):
     """The contract's float32 promise holds without batch_invariant: the batched decode attention and
     the row-count-dependent products change float32 results only far below what moves a greedy token."""
     assert smollm.dtype == torch.float32 and smollm.rows_invariant is None  # the default engine's model
-    runner = Runner({MODEL: smollm}, max_running=8, max_queue=8)
-    try:
-        prompts = [runner.render(MODEL, [{"role": "user", "content": q}]) for q in QUESTIONS]
-        alone = await answers(runner, prompts, together=False)
-        together = await answers(runner, prompts, together=True)
-    finally:
-        runner.close()
+    alone, together = await alone_and_together(smollm, batch_invariant=False)
     assert together == alone
