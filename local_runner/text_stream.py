@@ -2,6 +2,10 @@
 
 Text is held back while it could still be the start of a stop string (or an incomplete UTF-8
 character), so a client never sees text that the stop string later takes back.
+
+Decoding is incremental (vLLM's detokenizer offsets): each token decodes a short window of the latest
+ids, never the whole answer, so a token costs the same at the 1,000th as at the first (decoding every
+id again each token made a long answer's streaming quadratic, on the runner's thread).
 """
 
 from __future__ import annotations
@@ -15,19 +19,37 @@ class TextStream:
         self._stop = [s for s in stop if s]
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []
+        self._text = ""  # the decoded text of ids[:read_offset]
+        # ids[prefix_offset:read_offset] are decoded again with each new token: the context a tokenizer
+        # needs to decode the next ids as it would within the whole sequence (leading spaces, merges).
+        self._prefix_offset = 0
+        self._read_offset = 0
         self._emitted = 0  # characters of the decoded text already sent
         self.stopped = False
 
     @property
     def text(self) -> str:
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        """The text decoded so far (complete characters only)."""
+        return self._text
+
+    def _decode(self, ids: list[int]) -> str:
+        text = self._tokenizer.decode(ids, skip_special_tokens=True)
         assert isinstance(text, str)  # one sequence in, one string out
         return text
+
+    def _advance(self) -> None:
+        """Decode the ids past read_offset, if they end on a whole character."""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window = self._decode(self._ids[self._prefix_offset :])
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+            self._text += window[len(prefix) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
 
     def push(self, token_id: int) -> str:
         """Add a token; returns the text that is now safe to send ('' if none). Sets `stopped` on a stop."""
         self._ids.append(token_id)
-        text = self.text
+        self._advance()
+        text = self._text
         for stop in self._stop:
             # Only a match that ends in the unsent tail can be new.
             at = text.find(stop, max(0, self._emitted - len(stop) + 1))
@@ -40,8 +62,15 @@ class TextStream:
         return self._take(text, safe)
 
     def finish(self) -> str:
-        """The held-back rest, at the end of generation."""
-        return "" if self.stopped else self._take(self.text, len(self.text))
+        """The held-back rest, at the end of generation (an incomplete character's bytes as the
+        replacement character, as a full decode gives them)."""
+        if self.stopped:
+            return ""
+        if self._read_offset < len(self._ids):
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            self._text += self._decode(self._ids[self._prefix_offset :])[len(prefix) :]
+            self._read_offset = len(self._ids)
+        return self._take(self._text, len(self._text))
 
     def _take(self, text: str, end: int) -> str:
         if end <= self._emitted:

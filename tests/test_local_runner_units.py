@@ -255,3 +255,29 @@ def test_each_thread_gets_its_own_tokenizer():
         t.join()
     assert not errors
     assert len({id(t) for t in seen.values()}) == 8
+
+
+def test_text_stream_decodes_incrementally_to_the_full_decode():
+    """Deltas decoded a window at a time add up to the whole sequence decoded at once, multi-byte
+    characters (split across tokens) and undecodable byte runs included, with the real tokenizer."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from tests.model_fixture import REPO
+
+    folders = sorted((REPO / "var" / "models").glob("smollm2-135m-instruct-*/tokenizer.json"))
+    if not folders:
+        pytest.skip("the converted model is not under var/models yet (any model test converts it)")
+    tok = AutoTokenizer.from_pretrained(folders[0].parent)
+    texts = [
+        "Caches: 缓存 and キャッシュ 🙂🚀, naïve café — “quoted”.",
+        " leading space\n\nnew lines\tand tabs",
+    ]
+    sequences = [tok.encode(t, add_special_tokens=False) for t in texts]
+    rnd = random.Random(7)
+    sequences += [[rnd.randrange(tok.vocab_size) for _ in range(300)] for _ in range(10)]
+    for ids in sequences:
+        stream = TextStream(tok, [])
+        streamed = "".join(stream.push(i) for i in ids) + stream.finish()
+        assert streamed == tok.decode(ids, skip_special_tokens=True)
