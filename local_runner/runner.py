@@ -12,20 +12,18 @@ import torch
 
 from kvtier import KVStore, PrefixMatch, Schedule, StoreStats, available_memory_bytes
 
-from .decoder import DecoderStack
-from .dense import make_rows_invariant
 from .job_kv import JobKV
 from .job_state import JobState
 from .jobs import GenerationRequest, Job
-from .kv_slots import SlotPool, cuda_capacity
+from .kv_slots import SlotPool
 from .loader import LoadedModel
-from .packed_attention import can_pack, use_packed_attention
+from .model_step import ModelStep
 from .prompt import PromptError, fit_history, render_prompt
 from .realign import ShiftStats
 from .rope_config import rope_shift_for
 from .rope_shift import RopeShift
 from .scheduler import Scheduler, SchedulerConfig
-from .step import Work, run_packed, run_per_job
+from .step import Work
 from .worker import Worker
 
 log = logging.getLogger("attnstore.runner")
@@ -95,17 +93,17 @@ class Runner:
                 else:
                     log.info("model %s: truncated turns recompute (no position shift): %s", name, rope)
         self.shift_stats = ShiftStats()
-        if batch_invariant:
-            for lm in self.models.values():
-                self._make_rows_invariant(lm)
-        # batch=False: one forward per job per step for every model (a benchmark's same-run baseline).
-        self._packed = {name: batch and self._choose_step(lm) for name, lm in self.models.items()}
-        # The packed step's forward: decoder.py's loop where the model has Llama's layers (built after
-        # batch_invariant wrapped the linear layers, so it calls the wrapped ones).
-        self._stacks = {
-            name: self._choose_stack(lm) for name, lm in self.models.items() if self._packed[name]
+        self.steps = {
+            name: ModelStep.prepare(
+                lm,
+                slots=max_running,
+                context=self._context_cap(lm),
+                batch=batch,
+                batch_invariant=batch_invariant,
+            )
+            for name, lm in self.models.items()
         }
-        self.pools = {name: self._make_pool(lm, max_running) for name, lm in self.models.items()}
+        self.pools = {name: step.pool for name, step in self.steps.items()}
         config = SchedulerConfig(
             max_queue=max_queue,
             max_running=max_running,
@@ -117,53 +115,6 @@ class Runner:
         )
         self.scheduler = Scheduler(config, self.pools, self._job_bytes)
         self._worker = Worker(self.scheduler, self)
-
-    @staticmethod
-    def _choose_step(lm: LoadedModel) -> bool:
-        """Llama-style decoders take the packed (batched) step; any other model runs one job per forward."""
-        reason = can_pack(lm.model.config)
-        if reason is None:
-            use_packed_attention(lm.model)
-            return True
-        log.info("model %s: one forward per job (no batched steps): %s", lm.name, reason)
-        return False
-
-    @staticmethod
-    def _choose_stack(lm: LoadedModel) -> DecoderStack | None:
-        reason = DecoderStack.unfit(lm.model)
-        if reason is None:
-            return DecoderStack(lm.model)
-        log.info("model %s: the packed step runs the transformers forward: %s", lm.name, reason)
-        return None
-
-    @staticmethod
-    def _make_rows_invariant(lm: LoadedModel) -> None:
-        """batch_invariant: a row's product must not depend on the rows beside it. The linear layers are
-        wrapped once per loaded model (dense.make_rows_invariant: measured per shape, padded tiles where
-        the kernel depends on the row count); a failed check is said, not hidden."""
-        if lm.rows_invariant is None:
-            lm.rows_invariant = make_rows_invariant(lm.model, lm.dtype, lm.device)
-            if not lm.rows_invariant:
-                log.warning(
-                    "model %s: batch_invariant: a linear layer still depends on the batch here", lm.name
-                )
-
-    def _make_pool(self, lm: LoadedModel, slots: int) -> SlotPool:
-        """The model's KV pool: a slot per running job, each with room for the whole context (on the CPU
-        pages are taken only as jobs write them; on CUDA the context a job may hold is cut to what half
-        of the free device memory can give every slot)."""
-        capacity = self._context_cap(lm)
-        if lm.device.type == "cuda":
-            fit = cuda_capacity(lm.layout, lm.device, slots, capacity)
-            if fit < capacity:
-                log.warning(
-                    "model %s: %d KV slots of %d tokens fit the device; prompt + answer is limited to that",
-                    lm.name,
-                    slots,
-                    fit,
-                )
-            capacity = fit
-        return SlotPool(lm.layout, lm.device, slots, capacity)
 
     def _context_cap(self, lm: LoadedModel) -> int:
         limit = lm.max_context
@@ -249,18 +200,7 @@ class Runner:
 
     def describe(self) -> dict[str, dict[str, object]]:
         """Per served model: where and how it runs (for /healthz)."""
-        return {
-            name: {
-                "device": str(lm.device),
-                "dtype": str(lm.dtype).removeprefix("torch."),
-                "batched": self._packed[name],
-                "batch_invariant": self.batch_invariant,
-                "dense": lm.dense,
-                "kv_slots": self.pools[name].slots,
-                "context": self.pools[name].capacity,
-            }
-            for name, lm in self.models.items()
-        }
+        return {name: step.describe() for name, step in self.steps.items()}
 
     def reusable_tokens(self, request: GenerationRequest) -> int:
         """Prompt tokens of this request whose KV is stored now (a look, not counted as a hit or miss).
@@ -299,13 +239,10 @@ class Runner:
         return self._forward(items[0][0].job.request.model, [w for _, w in items])
 
     def _forward(self, model: str, work: list[Work]) -> list[torch.Tensor | None]:
-        lm = self.models[model]
-        if self._packed[model]:
-            return run_packed(lm, work, batch_invariant=self.batch_invariant, stack=self._stacks[model])
-        return run_per_job(lm, work)
+        return self.steps[model].forward(work)
 
     def packed(self, state: JobState) -> bool:
-        return self._packed[state.job.request.model]
+        return self.steps[state.job.request.model].packed
 
     def _job_bytes(self, job: Job) -> int:
         req = job.request
