@@ -39,7 +39,9 @@ class BenchOptions:
     peer: list[str] = field(default_factory=list)  # OpenAI-compatible base URLs
     peer_label: list[str] = field(default_factory=list)  # names for them, in the same order
     peer_model: list[str] = field(default_factory=list)  # model names they serve, in the same order
-    peer_pgid: list[int] = field(default_factory=list)  # their process groups, stopped while others run
+    peer_pgid: list[str] = field(
+        default_factory=list
+    )  # "PGID[,PGID]": their process groups, stopped while others run
     sessions: int = 0  # S conversations all open at once, served least recently served first
     turns: int = 0  # T turns each (default: --max-turns)
     fast_memory_mb: float | None = None  # the in-process attnstore's L0 + L1, half each
@@ -103,9 +105,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--peer-pgid",
         action="append",
-        type=int,
         default=[],
-        help="its process group: stopped (SIGSTOP) while the other servers' waves run, so each is alone "
+        metavar="PGID[,PGID]",
+        help="its process groups: stopped (SIGSTOP) while the other servers' waves run, so each is alone "
         "on the machine (vLLM CPU keeps the cores busy for seconds after a burst); repeatable",
     )
     g.add_argument(

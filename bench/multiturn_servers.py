@@ -110,7 +110,7 @@ class Target:
     url: str  # chat endpoint
     base: str  # server root (for /v1/attention_store/stats)
     model: str | None = None  # model name to request there (None: the bench's --model)
-    pgid: int | None = None  # its process group, stopped while the other servers' waves run
+    pgids: tuple[int, ...] = ()  # its process groups, stopped while the other servers' waves run
 
 
 def target_at(label: str, url: str, model: str | None = None) -> Target:
@@ -128,8 +128,8 @@ def peer_targets(options: BenchOptions, taken: set[str]) -> list[Target]:
             label += "'"
         taken.add(label)
         model = options.peer_model[i] if i < len(options.peer_model) else None
-        pgid = options.peer_pgid[i] if i < len(options.peer_pgid) else None
-        out.append(replace(target_at(label, url, model), pgid=pgid))
+        pgids = tuple(int(p) for p in options.peer_pgid[i].split(",")) if i < len(options.peer_pgid) else ()
+        out.append(replace(target_at(label, url, model), pgids=pgids))
     return out
 
 

@@ -124,7 +124,7 @@ def test_a_peer_given_its_process_group_is_stopped_while_another_server_runs():
 
     peer_process = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        peer = replace(target_at("peer", "http://127.0.0.1:1"), pgid=peer_process.pid)
+        peer = replace(target_at("peer", "http://127.0.0.1:1"), pgids=(peer_process.pid,))
         ours = target_at("attnstore", "http://127.0.0.1:2")
         for runs, expect_stopped in ((ours, True), (peer, False), (ours, True), (None, False)):
             alone_on_the_machine([ours, peer], runs)  # None: the end, every server resumed
