@@ -155,7 +155,10 @@ async def _run(args: argparse.Namespace, alone: Alone) -> dict:
     rates: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.streams} for name, _ in targets}
     ttfts: dict[str, list[float]] = {name: [] for name, _ in targets}
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    # A connection per request: a server resumed from a pause (--pause) may close idle connections
+    # under a request being written.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         for name, url in targets:  # warm-up: first requests pay one-time costs on every server
             alone.only(name)
             await one_stream(http, url, args.model, "Hello there.", 4)
