@@ -2,6 +2,9 @@
 
 The worker thread produces events; the request handler consumes them on the event loop. The hand-over
 is `loop.call_soon_threadsafe(queue.put_nowait, event)`, so the worker never blocks on a slow client.
+Events the worker thread emits during a step go through its `Outbox`: one wake-up of the event loop per
+step for all jobs, instead of one per job and token (each wake-up is the event loop taking a core from
+the step's OpenMP threads on a small machine).
 """
 
 from __future__ import annotations
@@ -67,6 +70,32 @@ class Failed:
 Event = FirstToken | TextDelta | Finished | Failed
 
 
+class Outbox:
+    """Events the worker thread emits during a step, delivered to their loops in one call per loop at
+    `flush` (the worker flushes after every step). Only the owning thread may add to it."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None  # the only thread whose emits are held here
+        self._held: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
+
+    def hold(self, job: Job, event: Event) -> None:
+        self._held.setdefault(job._loop, []).append((job, event))
+
+    def flush(self) -> None:
+        held, self._held = self._held, {}
+        for loop, items in held.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                for job, _ in items:
+                    job._cancelled.set()
+
+
+def _deliver(items: list[tuple[Job, Event]]) -> None:
+    for job, event in items:
+        job._events.put_nowait(event)
+
+
 class Job:
     def __init__(
         self,
@@ -81,6 +110,7 @@ class Job:
         self._cancelled = threading.Event()
         self._on_cancel = on_cancel
         self.done = False
+        self.outbox: Outbox | None = None  # the runner's worker's: its events during a step are held there
 
     def cancel(self) -> None:
         """Called from the event loop when the client goes away: a waiting job leaves the queue at once
@@ -99,6 +129,10 @@ class Job:
         """Worker side: hand an event to the event loop (never blocks)."""
         if isinstance(event, Finished | Failed):
             self.done = True
+        outbox = self.outbox
+        if outbox is not None and outbox.thread is threading.current_thread():
+            outbox.hold(self, event)
+            return
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more

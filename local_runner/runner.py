@@ -164,6 +164,7 @@ class Runner:
         room = self.context_limit(request.model) - len(request.prompt_ids)
         request.sampling.max_tokens = max(1, min(request.sampling.max_tokens, room))
         job = Job(request, loop or asyncio.get_running_loop(), on_cancel=self.scheduler.drop_waiting)
+        job.outbox = self._worker.outbox
         self.scheduler.submit(job, hit=hit)
         return job
 

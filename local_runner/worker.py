@@ -25,7 +25,7 @@ import torch
 from kvtier import KVLoadError
 
 from .job_state import JobState
-from .jobs import Failed, Finished, Job
+from .jobs import Failed, Finished, Job, Outbox
 from .kv_slots import SlotPool
 from .scheduler import Scheduler
 from .step import Work
@@ -61,7 +61,9 @@ class Worker:
         self._prefetched: set[int] = set()
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="attnstore-save-handoff")
         self.steps = 0  # forwards run (a packed step counts once)
+        self.outbox = Outbox()  # the events of a step, handed to the event loop once per step
         self._thread = threading.Thread(target=self._run, name="attnstore-runner", daemon=True)
+        self.outbox.thread = self._thread
         self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
@@ -78,11 +80,15 @@ class Worker:
         except Exception:  # a slower first request is all a failed warm-up costs
             log.warning("warm-up failed", exc_info=True)
         while self.scheduler.wait_for_work():
-            self._schedule()
-            plan = self.scheduler.plan()
-            if plan:
-                self._step(plan)
-            self._postprocess()
+            try:
+                self._schedule()
+                plan = self.scheduler.plan()
+                if plan:
+                    self._step(plan)
+                self._postprocess()
+            finally:
+                self.outbox.flush()
+        self.outbox.flush()
 
     # -- schedule -------------------------------------------------------------------------------------
 
@@ -226,7 +232,10 @@ class Worker:
     # -- postprocess ----------------------------------------------------------------------------------
 
     def _postprocess(self) -> None:
-        for state in self.scheduler.ended():
+        ended = self.scheduler.ended()
+        if ended:  # their last text goes to the loop before the save hand-off can send `Finished`
+            self.outbox.flush()
+        for state in ended:
             try:
                 self._saver.submit(self._save, state)
             except RuntimeError:  # shutting down: save here
