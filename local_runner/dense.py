@@ -1,15 +1,16 @@
 """The dense path on the CPU: every linear layer's weight packed once for oneDNN (what inductor's
-`freezing` does, without a compile).
+`freezing` does, without a compile), projections fused, and row tiles for batch invariance.
 
 Why: a step is mostly matrix products of a few rows (one per decoding job) against every weight of the
 model. torch's default CPU path for `F.linear` with 2-16 rows was measured here at about twice the time
 of one row (FACTS.md; 90 matrices of 576x1536: 37.5 ms for 1 row, 61.5 ms for 4), while a weight
-reordered for oneDNN's blocked kernels takes 25.5 / 30.0 / 38.9 / 43.8 ms for 1 / 4 / 8 / 16 rows. The
-packed kernel also computes each row the same way whatever the number of rows (checked at load, see
-`rows_are_independent`), which is what `batch_invariant` needs of the dense path.
+reordered for oneDNN's blocked kernels takes 25.5 / 30.0 / 38.9 / 43.8 ms for 1 / 4 / 8 / 16 rows.
 
-Packing is per linear module (any architecture), float32 only where oneDNN offers it (bfloat16 packing
-needs AVX-512 BF16 or AVX-NE-CONVERT; elsewhere the module stays as it is). Not on CUDA.
+Packing is per linear module (any architecture): float32 always, bfloat16 where the CPU has AVX-512 BF16
+or AVX-NE-CONVERT (elsewhere the module stays as it is). Not on CUDA. Whether a kernel computes each row
+the same way whatever the number of rows beside it depends on the shape (a 1536 -> 576 product here
+does not): `batch_invariant` measures every shape at start (`make_rows_invariant`) and pads the ones
+that depend on it to fixed tiles of rows.
 """
 
 from __future__ import annotations
