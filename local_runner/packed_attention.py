@@ -14,7 +14,9 @@ lives in its slot of the model's KV pool (kv_slots.py). Per layer, a step does:
 
 `batch_invariant`: every decoding job attends alone, over exactly its own length, so its result cannot
 depend on which other jobs share the step (the batched call pads rows to the longest job, which changes
-the order of the floating-point sums). See README, "Batch invariance".
+the order of the floating-point sums); and every prompt token attends the same way, row by row, so KV
+computed in a prompt chunk equals KV computed a token at a time (reuse exact in every dtype). See
+README, "Batch invariance".
 
 How it plugs into transformers without model-specific code: the model runs with an attention function
 registered under `PACKED` (AttentionInterface), every token gets its own job's position (`position_ids`),
@@ -222,14 +224,17 @@ def _attend_group(
         )
         out[rows] = o[slot_rows].reshape(len(g.decode), heads, head_dim)
     for seg in g.decode_alone:
-        end = seg.kv.length + 1
-        slot = seg.kv.slot
-        q = query[:, :, seg.offset].reshape(1, kv_heads, heads // kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(
-            q, k_pool[slot : slot + 1, :, :end], v_pool[slot : slot + 1, :, :end], scale=scaling
-        )
-        out[seg.offset] = o.reshape(heads, head_dim)
+        _attend_row(query, k_pool, v_pool, seg.kv.slot, seg.offset, seg.kv.length + 1, scaling, out)
     for seg in g.prefill:
+        if plan.batch_invariant:
+            # Row by row, each exactly as a decoding token attends: the flash kernel rounds a row of a
+            # causal chunk differently with the chunk's length, so stored KV (computed in the chunks
+            # of earlier turns, its answers a token at a time) would not equal a recompute's.
+            for j in range(seg.n):
+                _attend_row(
+                    query, k_pool, v_pool, seg.kv.slot, seg.offset + j, seg.kv.length + j + 1, scaling, out
+                )
+            continue
         past, n, slot = seg.kv.length, seg.n, seg.kv.slot
         o = F.scaled_dot_product_attention(
             query[:, :, seg.offset : seg.offset + n],
@@ -241,6 +246,27 @@ def _attend_group(
             enable_gqa=True,
         )
         out[seg.offset : seg.offset + n] = o[0].transpose(0, 1)
+
+
+def _attend_row(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slot: int,
+    row: int,
+    end: int,
+    scaling: float | None,
+    out: torch.Tensor,
+) -> None:
+    """One token's query (packed row `row`) against its slot's keys [0, end): the query heads that share a
+    K/V head folded into the query axis, so K/V are never expanded."""
+    heads, head_dim = query.shape[1], query.shape[3]
+    kv_heads = k_pool.shape[1]
+    q = query[:, :, row].reshape(1, kv_heads, heads // kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(
+        q, k_pool[slot : slot + 1, :, :end], v_pool[slot : slot + 1, :, :end], scale=scaling
+    )
+    out[row] = o.reshape(heads, head_dim)
 
 
 def register() -> None:

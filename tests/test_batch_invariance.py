@@ -73,3 +73,26 @@ async def test_in_float32_the_default_engine_answers_as_alone(smollm):
     assert smollm.dtype == torch.float32 and smollm.rows_invariant is None  # the default engine's model
     alone, together = await alone_and_together(smollm, batch_invariant=False)
     assert together == alone
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_with_batch_invariant_stored_kv_equals_a_recompute_bit_for_bit(models, dtype):
+    """Reuse is exact in every dtype with batch_invariant: KV computed as a turn is (a prompt chunk, then
+    the answer a token at a time) equals KV computed as a recompute (one chunk), and so do the logits."""
+    from local_runner.decoder import DecoderStack
+    from local_runner.job_kv import JobKV
+    from local_runner.model_step import ModelStep
+    from local_runner.step import Work, run_packed
+
+    lm = models[dtype]
+    ModelStep.prepare(lm, slots=1, context=64, batch=True, batch_invariant=True).pool.close()
+    stack = DecoderStack(lm.model)
+    ids = lm.tokenizer(" ".join(QUESTIONS))["input_ids"][:40]
+    recompute, turn = (JobKV.standalone(lm.layout, lm.device, 64) for _ in range(2))
+    whole = run_packed(lm, [Work(recompute, ids, True)], stack=stack, batch_invariant=True)[0]
+    run_packed(lm, [Work(turn, ids[:12], False)], stack=stack, batch_invariant=True)
+    for token in ids[12:]:
+        last = run_packed(lm, [Work(turn, [token], True)], stack=stack, batch_invariant=True)[0]
+    assert torch.equal(whole, last)
+    for (ka, va), (kb, vb) in zip(recompute.layers(), turn.layers(), strict=True):
+        assert torch.equal(ka[..., :40, :], kb[..., :40, :]) and torch.equal(va[..., :40, :], vb[..., :40, :])
