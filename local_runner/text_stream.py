@@ -37,11 +37,14 @@ class TextStream:
         assert isinstance(text, str)  # one sequence in, one string out
         return text
 
-    def _advance(self) -> None:
-        """Decode the ids past read_offset, if they end on a whole character."""
+    def _advance(self, final: bool = False) -> None:
+        """Decode the ids past read_offset if they end on a whole character (`final`: whatever they are,
+        an incomplete character's bytes as the replacement character, as a full decode gives them)."""
+        if self._read_offset == len(self._ids):
+            return
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._decode(self._ids[self._prefix_offset :])
-        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+        if final or (len(window) > len(prefix) and not window.endswith("\ufffd")):
             self._text += window[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
 
@@ -56,20 +59,14 @@ class TextStream:
             if at != -1:
                 self.stopped = True
                 return self._take(text, at)
-        safe = len(text) - self._holdback
-        while safe > self._emitted and text[safe - 1] == "\ufffd":
-            safe -= 1  # part of a multi-byte character whose other bytes are still to come
-        return self._take(text, safe)
+        # An incomplete character never reaches the text (_advance waits for its other bytes).
+        return self._take(text, len(text) - self._holdback)
 
     def finish(self) -> str:
-        """The held-back rest, at the end of generation (an incomplete character's bytes as the
-        replacement character, as a full decode gives them)."""
+        """The held-back rest, at the end of generation."""
         if self.stopped:
             return ""
-        if self._read_offset < len(self._ids):
-            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-            self._text += self._decode(self._ids[self._prefix_offset :])[len(prefix) :]
-            self._read_offset = len(self._ids)
+        self._advance(final=True)
         return self._take(self._text, len(self._text))
 
     def _take(self, text: str, end: int) -> str:
