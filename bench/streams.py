@@ -6,10 +6,10 @@ token of a long prompt that nothing is reused for.
         --streams 1 4 8 16 --reps 3 --json streams.json
 
 Each server must already run, alone on the machine while it is measured. A server that just answered is
-not idle at once (vLLM CPU keeps its cores busy for seconds after a burst: attnstore measured 0.5-0.6x
-of its own rate right after vLLM's turn), so give each server's process group with `--pause
-label=PGID`: the others are stopped (SIGSTOP) while one is measured and resumed after. The servers are interleaved: for every stream count, every
-server in turn, `--reps` times, and the median is reported. Answers are forced to `--tokens` tokens with
+not idle at once (vLLM CPU keeps its cores busy for seconds after a burst: attnstore measured 0.6x
+of its own rate at 1-4 streams right after vLLM's turn), so give each server's process group with `--pause
+label=PGID`: the others are stopped (SIGSTOP) while one is measured and resumed after. The servers are
+interleaved: for every stream count, every server in turn, `--reps` times, and the median is reported. Answers are forced to `--tokens` tokens with
 `ignore_eos` (vLLM's extension; attnstore serves it too), so every server decodes the same amount.
 """
 
