@@ -17,6 +17,7 @@ the transformers forward. The tests hold its logits to the transformers forward'
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dense import fuse
-from .packed_attention import PLAN_KWARG, PackedPlan, packed_attention
+from .packed_attention import PackedPlan, attend
+
+# One layer's attention: (q, k, v, layer index) -> [tokens, heads, head_dim].
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 _LAYER_PARTS = (
     "input_layernorm",
@@ -158,14 +162,24 @@ class DecoderStack:
         self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, plan: PackedPlan
     ) -> torch.Tensor:
         """Logits [len(keep), vocab] of the rows `keep` of the packed sequence `ids` (1-D, each token at
-        its own position)."""
+        its own position), eagerly."""
+
+        def attend_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+            return attend(plan, layer, q, k, v, self.scaling)
+
+        return self.run(ids, positions, keep, attend_layer)
+
+    def run(
+        self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """The forward with attention left to `attend` (eager: packed_attention with the step's plan;
+        compiled.py: an opaque op, so that torch.compile traces everything else)."""
         x = self.embed(ids)
         tokens = x.shape[0]
         cos, sin = self.rotary(x[None], positions[None])
         cos, sin = cos[0, :, None], sin[0, :, None]  # [tokens, 1, head_dim]: broadcast over heads
-        kwargs: dict[str, Any] = {PLAN_KWARG: plan}
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.norm1, layer.eps1)
             if layer.qkv is not None:
                 qkv = layer.qkv(h).view(tokens, heads + 2 * kv_heads, head_dim)
@@ -175,16 +189,7 @@ class DecoderStack:
                 q = _rotate(layer.q(h).view(tokens, heads, head_dim), cos, sin)
                 k = _rotate(layer.k(h).view(tokens, kv_heads, head_dim), cos, sin)
                 v = layer.v(h).view(tokens, kv_heads, head_dim)
-            # packed_attention takes transformers' [1, heads, tokens, head_dim] layout: views, no copy.
-            attn, _ = packed_attention(
-                layer.attn,
-                q.transpose(0, 1)[None],
-                k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None],
-                None,
-                scaling=self.scaling,
-                **kwargs,
-            )
+            attn = attend(q, k, v, index)
             x = x + layer.o(attn.reshape(tokens, -1))
             h = _rms_norm(x, layer.norm2, layer.eps2)
             if layer.gate_up is not None:

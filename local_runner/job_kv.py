@@ -56,6 +56,11 @@ class JobKV:
         return len(self._views)
 
     @property
+    def restoring(self) -> bool:
+        """Some restored layer has not been read yet (reading it waits for its load)."""
+        return self._source is not None and not all(self._arrived)
+
+    @property
     def capacity(self) -> int:
         return self.pool.capacity
 

@@ -61,17 +61,36 @@ class Segment:
 
 
 @dataclass
+class _Decode:
+    """A group's batched decode call, laid out once per step (every layer reuses it): the queries of the
+    jobs in `segments` against pool rows [lo, lo + rows) up to `keys` keys, `mask` [rows, 1, 1, keys]
+    (additive, in the model's dtype) hiding each row's keys past its own job's length. `slot_rows` places
+    each job's query in its slot's row, `packed` names the jobs' rows of the packed sequence; either is
+    None where it is the identity (slots lo, lo + 1, ... in order; packed rows a contiguous range
+    `packed_range`), so the common step gathers and scatters nothing."""
+
+    lo: int
+    rows: int
+    keys: int
+    mask: torch.Tensor
+    slot_rows: torch.Tensor | None
+    packed: torch.Tensor | None
+    packed_range: tuple[int, int]
+
+
+@dataclass
 class _PoolGroup:
     """The step's segments whose jobs share one KV pool, with the index tensors every layer reuses."""
 
     pool: SlotPool
     segments: list[Segment]
-    rows: torch.Tensor  # packed rows of these segments' tokens
+    rows: torch.Tensor | None  # packed rows of these segments' tokens (None: all rows, in order)
     slots: torch.Tensor  # each such token's slot
     positions: torch.Tensor  # each such token's position in its slot
-    decode: list[Segment]  # one-token segments attending together
+    decode: _Decode | None  # one-token segments attending together
     decode_alone: list[Segment]  # one-token segments attending on their own
     prefill: list[Segment]
+    pending: list[JobKV]  # jobs whose restored layers may not all have arrived yet
 
 
 @dataclass
@@ -80,13 +99,10 @@ class PackedPlan:
     batch_invariant: bool = False
     _groups: list[_PoolGroup] | None = None
     _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    _decode_masks: dict[int, tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict
-    )
 
-    def groups(self, device: torch.device) -> list[_PoolGroup]:
+    def groups(self, device: torch.device, dtype: torch.dtype) -> list[_PoolGroup]:
         if self._groups is None:
-            self._groups = _group(self.segments, device, self.batch_invariant)
+            self._groups = _group(self.segments, device, dtype, self.batch_invariant)
         return self._groups
 
     def causal_mask(self, n: int, past: int, device: torch.device) -> torch.Tensor:
@@ -97,25 +113,6 @@ class PackedPlan:
             m = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)
             self._masks[key] = m
         return m
-
-    def decode_layout(self, g: _PoolGroup) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(lo, keys, slot rows, packed rows, mask) of a group's batched decode call, built once per step:
-        pool rows [lo, lo + len(mask)), `keys` = the longest job's length, mask [rows, 1, 1, keys]."""
-        cached = self._decode_masks.get(id(g))
-        if cached is not None:
-            return cached
-        dev = g.rows.device
-        slots = [s.kv.slot for s in g.decode]
-        lengths = [s.kv.length + 1 for s in g.decode]
-        lo, hi, keys = min(slots), max(slots) + 1, max(lengths)
-        per_row = torch.zeros(hi - lo, dtype=torch.long, device=dev)
-        slot_rows = torch.tensor([s - lo for s in slots], dtype=torch.long, device=dev)
-        per_row[slot_rows] = torch.tensor(lengths, dtype=torch.long, device=dev)
-        mask = (torch.arange(keys, device=dev) < per_row[:, None])[:, None, None, :]
-        rows = torch.tensor([s.offset for s in g.decode], dtype=torch.long, device=dev)
-        out = (lo, keys, slot_rows, rows, mask)
-        self._decode_masks[id(g)] = out
-        return out
 
 
 def _split_outliers(decode: list[Segment]) -> tuple[list[Segment], list[Segment]]:
@@ -132,10 +129,36 @@ def _split_outliers(decode: list[Segment]) -> tuple[list[Segment], list[Segment]
     return together, alone
 
 
-def _group(segments: list[Segment], device: torch.device, invariant: bool) -> list[_PoolGroup]:
+def _decode_layout(together: list[Segment], device: torch.device, dtype: torch.dtype) -> _Decode:
+    together = sorted(together, key=lambda s: s.kv.slot)
+    slots = [s.kv.slot for s in together]
+    lengths = [s.kv.length + 1 for s in together]
+    lo, hi, keys = slots[0], slots[-1] + 1, max(lengths)
+    per_row = torch.zeros(hi - lo, dtype=torch.long)
+    per_row[torch.tensor(slots) - lo] = torch.tensor(lengths)
+    hidden = torch.arange(keys)[None, :] >= per_row[:, None]
+    mask = torch.zeros(hi - lo, 1, 1, keys, dtype=dtype).masked_fill_(hidden[:, None, None, :], float("-inf"))
+    offsets = [s.offset for s in together]
+    first = offsets[0]
+    contiguous = offsets == list(range(first, first + len(offsets)))
+    return _Decode(
+        lo=lo,
+        rows=hi - lo,
+        keys=keys,
+        mask=mask.to(device),
+        slot_rows=None if hi - lo == len(slots) else torch.tensor([s - lo for s in slots], device=device),
+        packed=None if contiguous else torch.tensor(offsets, device=device),
+        packed_range=(first, first + len(offsets)),
+    )
+
+
+def _group(
+    segments: list[Segment], device: torch.device, dtype: torch.dtype, invariant: bool
+) -> list[_PoolGroup]:
     by_pool: dict[int, list[Segment]] = {}
     for seg in segments:
         by_pool.setdefault(id(seg.kv.pool), []).append(seg)
+    total = sum(s.n for s in segments)
     groups = []
     for segs in by_pool.values():
         rows: list[int] = []
@@ -153,37 +176,84 @@ def _group(segments: list[Segment], device: torch.device, invariant: bool) -> li
             _PoolGroup(
                 pool=segs[0].kv.pool,
                 segments=segs,
-                rows=torch.tensor(rows, dtype=torch.long, device=device),
+                rows=None
+                if rows == list(range(total))
+                else torch.tensor(rows, dtype=torch.long, device=device),
                 slots=torch.tensor(slots, dtype=torch.long, device=device),
                 positions=torch.tensor(positions, dtype=torch.long, device=device),
-                decode=together,
+                decode=_decode_layout(together, device, dtype) if together else None,
                 decode_alone=alone,
                 prefill=[s for s in segs if s.n > 1],
+                pending=[s.kv for s in segs if s.kv.restoring],
             )
         )
     return groups
 
 
-def packed_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    plan: PackedPlan | None = kwargs.pop(PLAN_KWARG, None)
-    if plan is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    layer = int(module.layer_idx)  # type: ignore[arg-type]
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [tokens, heads, head_dim]
-    for g in plan.groups(query.device):
+def attend(
+    plan: PackedPlan, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """One layer's attention for a packed step, in the decoder's row layout: query [tokens, heads,
+    head_dim], key and value [tokens, kv_heads, head_dim] in (views are fine), [tokens, heads, head_dim]
+    out. Writes the new tokens' K/V into their jobs' slots first."""
+    groups = plan.groups(query.device, query.dtype)
+    if len(groups) == 1 and _decode_only(groups[0], query.shape[0]):
+        return _decode_step(groups[0], layer, query, key, value, scaling)  # no scatter into `out`
+    out = query.new_empty(query.shape)
+    for g in groups:
         _attend_group(plan, g, layer, query, key, value, scaling, out)
-    return out.unsqueeze(0), None
+    return out
+
+
+def _decode_only(g: _PoolGroup, tokens: int) -> bool:
+    """Every token of the step is a decoding token of this group, attending in one call or alone."""
+    if g.prefill:
+        return False
+    if g.decode is None:
+        return len(g.decode_alone) == 1
+    d = g.decode
+    return not g.decode_alone and d.slot_rows is None and d.packed is None and d.packed_range == (0, tokens)
+
+
+def _write_kv(
+    g: _PoolGroup, layer: int, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's new K/V into their slots (one indexed copy each for K and V); the layer's pool back."""
+    for kv in g.pending:
+        kv.layer(layer)  # a restored layer must have arrived (and a shift moved it) before we write or read
+    k_pool, v_pool = g.pool.layer(layer)
+    if g.rows is not None:
+        key, value = key[g.rows], value[g.rows]
+    k_pool[g.slots, :, g.positions] = key
+    v_pool[g.slots, :, g.positions] = value
+    return k_pool, v_pool
+
+
+def _decode_step(
+    g: _PoolGroup, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    k_pool, v_pool = _write_kv(g, layer, key, value)
+    tokens, heads, head_dim = query.shape
+    kv_heads = k_pool.shape[1]
+    if g.decode is None:
+        seg = g.decode_alone[0]
+        end, slot = seg.kv.length + 1, seg.kv.slot
+        o = F.scaled_dot_product_attention(
+            query.reshape(1, kv_heads, heads // kv_heads, head_dim),
+            k_pool[slot : slot + 1, :, :end],
+            v_pool[slot : slot + 1, :, :end],
+            scale=scaling,
+        )
+        return o.reshape(1, heads, head_dim)
+    d = g.decode
+    o = F.scaled_dot_product_attention(
+        query.reshape(tokens, kv_heads, heads // kv_heads, head_dim),
+        k_pool[d.lo : d.lo + d.rows, :, : d.keys],
+        v_pool[d.lo : d.lo + d.rows, :, : d.keys],
+        attn_mask=d.mask,
+        scale=scaling,
+    )
+    return o.reshape(tokens, heads, head_dim)
 
 
 def _attend_group(
@@ -193,36 +263,39 @@ def _attend_group(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    scaling: float | None,
+    scaling: float,
     out: torch.Tensor,
 ) -> None:
-    for seg in g.segments:
-        seg.kv.layer(layer)  # a restored layer must have arrived (and a shift moved it) before we read
-    k_pool, v_pool = g.pool.layer(layer)
-    # Every new token's K/V into its job's slot, at its position: one indexed copy each for K and V.
-    k_pool[g.slots, :, g.positions] = key[0, :, g.rows].transpose(0, 1)
-    v_pool[g.slots, :, g.positions] = value[0, :, g.rows].transpose(0, 1)
-    heads, head_dim = query.shape[1], query.shape[3]
+    k_pool, v_pool = _write_kv(g, layer, key, value)
+    heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = k_pool.shape[1]
-    if g.decode:
-        lo, keys, slot_rows, rows, mask = plan.decode_layout(g)
-        n_rows = mask.shape[0]
-        # Fold the query heads that share a K/V head into the query axis: SDPA then runs plain
-        # attention against the un-expanded K/V of each slot.
-        q = query.new_zeros(n_rows, kv_heads, heads // kv_heads, head_dim)
-        q[slot_rows] = (
-            query[0, :, rows]
-            .reshape(kv_heads, heads // kv_heads, len(g.decode), head_dim)
-            .permute(2, 0, 1, 3)
-        )
+    group = heads // kv_heads
+    d = g.decode
+    if d is not None:
+        # Fold the query heads that share a K/V head into the query axis: SDPA then runs plain attention
+        # against the un-expanded K/V of each slot.
+        first, end = d.packed_range
+        jobs = end - first
+        q = query[first:end] if d.packed is None else query[d.packed]
+        q = q.reshape(jobs, kv_heads, group, head_dim)
+        if d.slot_rows is not None:
+            spread = q.new_zeros(d.rows, kv_heads, group, head_dim)
+            spread[d.slot_rows] = q
+            q = spread
         o = F.scaled_dot_product_attention(
             q,
-            k_pool[lo : lo + n_rows, :, :keys],
-            v_pool[lo : lo + n_rows, :, :keys],
-            attn_mask=mask,
+            k_pool[d.lo : d.lo + d.rows, :, : d.keys],
+            v_pool[d.lo : d.lo + d.rows, :, : d.keys],
+            attn_mask=d.mask,
             scale=scaling,
         )
-        out[rows] = o[slot_rows].reshape(len(g.decode), heads, head_dim)
+        if d.slot_rows is not None:
+            o = o[d.slot_rows]
+        o = o.reshape(jobs, heads, head_dim)
+        if d.packed is None:
+            out[first:end] = o
+        else:
+            out[d.packed] = o
     for seg in g.decode_alone:
         _attend_row(query, k_pool, v_pool, seg.kv.slot, seg.offset, seg.kv.length + 1, scaling, out)
     for seg in g.prefill:
@@ -237,7 +310,7 @@ def _attend_group(
             continue
         past, n, slot = seg.kv.length, seg.n, seg.kv.slot
         o = F.scaled_dot_product_attention(
-            query[:, :, seg.offset : seg.offset + n],
+            query[seg.offset : seg.offset + n].transpose(0, 1)[None],
             k_pool[slot : slot + 1, :, : past + n],
             v_pool[slot : slot + 1, :, : past + n],
             attn_mask=None if past == 0 else plan.causal_mask(n, past, query.device),
@@ -255,18 +328,42 @@ def _attend_row(
     slot: int,
     row: int,
     end: int,
-    scaling: float | None,
+    scaling: float,
     out: torch.Tensor,
 ) -> None:
     """One token's query (packed row `row`) against its slot's keys [0, end): the query heads that share a
     K/V head folded into the query axis, so K/V are never expanded."""
-    heads, head_dim = query.shape[1], query.shape[3]
+    heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = k_pool.shape[1]
-    q = query[:, :, row].reshape(1, kv_heads, heads // kv_heads, head_dim)
+    q = query[row].reshape(1, kv_heads, heads // kv_heads, head_dim)
     o = F.scaled_dot_product_attention(
         q, k_pool[slot : slot + 1, :, :end], v_pool[slot : slot + 1, :, :end], scale=scaling
     )
     out[row] = o.reshape(heads, head_dim)
+
+
+def packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention function registered under PACKED for transformers' own forward ([1, heads, tokens,
+    head_dim] in, [1, tokens, heads, head_dim] out): `attend` with the step's plan, or plain SDPA when
+    the caller passes no plan."""
+    plan: PackedPlan | None = kwargs.pop(PLAN_KWARG, None)
+    if plan is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    return attend(plan, layer, q, k, v, scale).unsqueeze(0), None
 
 
 def register() -> None:

@@ -7,14 +7,22 @@ length advances only when the whole forward succeeded, so a failed step can be r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from .decoder import DecoderStack
 from .job_kv import JobKV
 from .kv_cache import job_cache
 from .loader import LoadedModel
 from .packed_attention import PLAN_KWARG, PackedPlan, Segment
+
+
+class PackedForward(Protocol):
+    """decoder.py's DecoderStack or compiled.py's CompiledStack: logits of the rows `keep`."""
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, plan: PackedPlan
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -28,16 +36,19 @@ class Work:
 
 @torch.inference_mode()
 def run_packed(
-    lm: LoadedModel, work: list[Work], *, batch_invariant: bool = False, stack: DecoderStack | None = None
+    lm: LoadedModel, work: list[Work], *, batch_invariant: bool = False, stack: PackedForward | None = None
 ) -> list[torch.Tensor | None]:
     """All jobs' new tokens as one sequence, each at its own positions; decoding jobs attend in one
     batched call per layer (or each alone with `batch_invariant`), see packed_attention. With `stack`
     the forward is decoder.py's loop over the model's modules, else the transformers forward."""
+    # Decoding jobs first, in slot order, then prompt chunks: the batched attention call then reads the
+    # decoding jobs' queries and writes their results in place (packed_attention's fast path).
+    order = sorted(range(len(work)), key=lambda i: (len(work[i].tokens) > 1, work[i].kv.slot))
     ids: list[int] = []
     positions: list[int] = []
     segments: list[Segment] = []
     keep: list[int] = []
-    for w in work:
+    for w in (work[i] for i in order):
         n = len(w.tokens)
         segments.append(Segment(w.kv, len(ids), n))
         positions.extend(range(w.kv.length, w.kv.length + n))
@@ -60,15 +71,14 @@ def run_packed(
             **{PLAN_KWARG: plan},
         )
         logits = out.logits[0]
-    result: list[torch.Tensor | None] = []
+    result: list[torch.Tensor | None] = [None] * len(work)
     row = 0
-    for w in work:
+    for i in order:
+        w = work[i]
         w.kv.length += len(w.tokens)
         if w.want_logits:
-            result.append(logits[row])
+            result[i] = logits[row]
             row += 1
-        else:
-            result.append(None)
     return result
 
 
