@@ -76,10 +76,11 @@ class LoadedModel:
     max_context: int
     load_seconds: float
     eos_token_ids: frozenset[int]
-    # The dense path: "oneDNN packed" (linear weights reordered once, dense.py) or "plain" (why not, after
-    # a colon). `rows_invariant`: None until a batch_invariant runner makes the linear layers compute each
+    # The eager step's dense path, set by the first runner that needs it (model_step.py): None while the
+    # linear layers are as loaded, else "oneDNN packed" (weights reordered once, dense.py) or "plain" (why
+    # not, after a colon); a compiled step needs them as loaded. `rows_invariant`: None until a batch_invariant runner makes the linear layers compute each
     # row alone (dense.make_rows_invariant), then whether that was verified.
-    dense: str = "plain"
+    dense: str | None = None
     rows_invariant: bool | None = None
     tokenizers: ThreadTokenizers = field(init=False)
 
@@ -233,7 +234,7 @@ def _load_model(
         model = model.to(dev).eval()
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model {name!r} from {source!r}: {exc}") from exc
-    dense = prepare_dense(model, dt, dev)
+    fuse_llama_projections(model)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layout = KVLayout(
@@ -268,15 +269,26 @@ def _load_model(
         max_context=int(getattr(cfg, "max_position_embeddings", 2048)),
         load_seconds=seconds,
         eos_token_ids=frozenset(eos_ids),
-        dense=dense,
     )
 
 
 def prepare_dense(model: Any, dtype: torch.dtype, device: torch.device) -> str:
     """Fuse a Llama-family model's projections (decoder.py) and pack the linear weights for oneDNN where
     this machine can (dense.py); returns the dense path's name for /healthz and the log."""
+    fuse_llama_projections(model)
+    return pack_dense(model, dtype, device)
+
+
+def fuse_llama_projections(model: Any) -> None:
+    """q/k/v and gate/up as one matrix product each, for models decoder.py runs (at load: every step
+    kind, eager or compiled, gains from it)."""
     if DecoderStack.unfit(model) is None:
         log.info("fused q/k/v and gate/up projections in %d layers", fuse_projections(model))
+
+
+def pack_dense(model: Any, dtype: torch.dtype, device: torch.device) -> str:
+    """Pack the linear weights for oneDNN where this machine can (the eager step's dense path; a compiled
+    step packs its own); returns the dense path's name for /healthz and the log."""
     reason = can_pack_linears(dtype, device)
     dense = f"oneDNN packed ({pack_linears(model)} linear layers)" if reason is None else f"plain: {reason}"
     log.info("dense path: %s", dense)

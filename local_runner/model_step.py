@@ -1,19 +1,23 @@
 """How one loaded model computes a runner's steps: the step's kind (all jobs packed into one forward, or
-one forward per job), its forward (decoder.py's loop or transformers'), its KV pool, and batch
-invariance. The Runner owns one per model and asks it for nothing else.
+one forward per job), its forward (decoder.py's loop, compiled or eager, or transformers'), its dense
+path, its KV pool, and batch invariance. The Runner owns one per model and asks it for nothing else.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from .compiled import CompiledStack, first_line
 from .decoder import DecoderStack
 from .dense import make_rows_invariant
+from .job_kv import JobKV
 from .kv_slots import SlotPool, cuda_capacity
-from .loader import LoadedModel
+from .loader import LoadedModel, on_passing_thread, pack_dense
 from .packed_attention import can_pack, use_packed_attention
 from .step import Work, run_packed, run_per_job
 
@@ -27,21 +31,66 @@ class ModelStep:
     stack: DecoderStack | None  # the packed step's forward when the model has Llama's layers
     pool: SlotPool
     batch_invariant: bool
+    compile_wanted: bool  # compile the packed step at warm-up (falls back to eager, saying why)
+    compiled: CompiledStack | None = None
+    compile_status: str = "off"
 
     @classmethod
     def prepare(
-        cls, lm: LoadedModel, *, slots: int, context: int, batch: bool, batch_invariant: bool
+        cls,
+        lm: LoadedModel,
+        *,
+        slots: int,
+        context: int,
+        batch: bool,
+        batch_invariant: bool,
+        compile: bool = False,
     ) -> ModelStep:
-        """`batch=False`: one forward per job for this model (a benchmark's same-run baseline)."""
-        if batch_invariant:  # before the stack is built, so that it calls the wrapped layers
-            _make_rows_invariant(lm)
+        """`batch=False`: one forward per job for this model (a benchmark's same-run baseline). `compile`:
+        the packed step is compiled by `warm_up` (on the runner's thread), where the model allows."""
         packed = batch and _takes_packed_step(lm)
+        has_stack = packed and DecoderStack.unfit(lm.model) is None
+        why_not = _why_not_compiled(lm, has_stack, batch_invariant) if compile else "off"
+        if why_not is not None:  # the eager dense path (before the stack: it calls the layers it finds)
+            _pack(lm)
+            if batch_invariant:
+                _make_rows_invariant(lm)
         stack = _decoder_stack(lm) if packed else None
-        return cls(lm, packed, stack, _make_pool(lm, slots, context), batch_invariant)
+        step = cls(lm, packed, stack, _make_pool(lm, slots, context), batch_invariant, why_not is None)
+        if compile and why_not is not None and why_not != "off":
+            log.info("model %s: the packed step runs eagerly: %s", lm.name, why_not)
+            step.compile_status = f"eager ({why_not})"
+        return step
+
+    def warm_up(self, run: Callable[[list[Work]], object]) -> None:
+        """On the runner's thread, before the first job: compile the packed step if wanted, then run
+        each kind of step once through `run` (the step as the runner calls it), so that no client pays
+        for a compile or for lazy initialisation (kernels, allocator arenas: a first 40-token prefill
+        was ~2 s slower)."""
+        if self.compile_wanted and self.stack is not None:
+            self.compile_wanted = False
+            started = time.perf_counter()
+            try:
+                self.compiled = CompiledStack(self.lm.model, self.stack)
+                _each_step_kind(self.lm, run)
+            except Exception as exc:  # any compiler failure: the eager forward computes the same thing
+                self.compiled = None
+                reason = first_line(exc)
+                log.warning(
+                    "model %s: the packed step runs eagerly: torch.compile failed: %s", self.lm.name, reason
+                )
+                self.compile_status = f"eager (compile failed: {reason})"
+                _pack(self.lm)
+                self.stack = _decoder_stack(self.lm)
+            else:
+                self.compile_status = f"compiled in {time.perf_counter() - started:.1f} s"
+                log.info("model %s: the packed step is %s", self.lm.name, self.compile_status)
+        _each_step_kind(self.lm, run)
 
     def forward(self, work: list[Work]) -> list[torch.Tensor | None]:
         if self.packed:
-            return run_packed(self.lm, work, batch_invariant=self.batch_invariant, stack=self.stack)
+            stack = self.compiled or self.stack
+            return run_packed(self.lm, work, batch_invariant=self.batch_invariant, stack=stack)
         return run_per_job(self.lm, work)
 
     def describe(self) -> dict[str, object]:
@@ -51,10 +100,44 @@ class ModelStep:
             "dtype": str(self.lm.dtype).removeprefix("torch."),
             "batched": self.packed,
             "batch_invariant": self.batch_invariant,
-            "dense": self.lm.dense,
+            "dense": self.lm.dense or "as loaded",
+            "compiled": self.compile_status,
             "kv_slots": self.pool.slots,
             "context": self.pool.capacity,
         }
+
+
+def _why_not_compiled(lm: LoadedModel, has_stack: bool, batch_invariant: bool) -> str | None:
+    """None when this model's packed step can be compiled, else why not (then it runs eagerly)."""
+    if not has_stack:
+        return "only decoder.py's forward is compiled (Llama-family models, batched steps)"
+    if batch_invariant:
+        return "batch_invariant runs eagerly (its row tiles and per-row attention are not compiled)"
+    if lm.dense is not None:
+        return "another runner already packed this model's linear layers for an eager step"
+    return None
+
+
+def _each_step_kind(lm: LoadedModel, run: Callable[[list[Work]], object]) -> None:
+    """One step of each kind: a prompt chunk, a lone decoding token, decoding beside a prompt chunk,
+    several decoding jobs."""
+    token = lm.tokenizer.eos_token_id or 0
+    a, b = JobKV.standalone(lm.layout, lm.device, 32), JobKV.standalone(lm.layout, lm.device, 32)
+    try:
+        run([Work(a, [token] * 8, want_logits=True)])
+        run([Work(a, [token], want_logits=True)])
+        run([Work(a, [token], want_logits=True), Work(b, [token] * 5, want_logits=False)])
+        run([Work(a, [token], want_logits=True), Work(b, [token], want_logits=True)])
+    finally:
+        a.pool.close()
+        b.pool.close()
+
+
+def _pack(lm: LoadedModel) -> None:
+    """The eager dense path: linear weights packed for oneDNN once per model (idempotent), on a thread
+    that ends with it (loader.on_passing_thread says why)."""
+    if lm.dense is None:
+        lm.dense = on_passing_thread(pack_dense, lm.model, lm.dtype, lm.device)
 
 
 def _takes_packed_step(lm: LoadedModel) -> bool:

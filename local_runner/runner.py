@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -12,7 +13,6 @@ import torch
 
 from kvtier import KVStore, PrefixMatch, Schedule, StoreStats, available_memory_bytes
 
-from .job_kv import JobKV
 from .job_state import JobState
 from .jobs import GenerationRequest, Job
 from .kv_slots import SlotPool
@@ -67,6 +67,7 @@ class Runner:
         decouple: bool = False,
         batch: bool = True,
         batch_invariant: bool = False,
+        compile: bool = False,
         scheduler_aware: bool = True,
         overlap_with_compute: bool = True,
         evict_on_pressure: bool = True,
@@ -100,6 +101,7 @@ class Runner:
                 context=self._context_cap(lm),
                 batch=batch,
                 batch_invariant=batch_invariant,
+                compile=compile,
             )
             for name, lm in self.models.items()
         }
@@ -226,14 +228,10 @@ class Runner:
     # -- the worker's hooks (worker.RunnerHooks) ------------------------------------------------------
 
     def warmup(self) -> None:
-        """One short step per model on the worker thread, so the first client does not pay for lazy
-        initialisation (kernels, allocator arenas): it made a 40-token first prefill ~2 s slower."""
-        for name, lm in self.models.items():
-            kv = JobKV.standalone(lm.layout, lm.device, 16)
-            token = lm.tokenizer.eos_token_id or 0
-            self._forward(name, [Work(kv, [token] * 8, want_logits=True)])
-            self._forward(name, [Work(kv, [token], want_logits=True)])
-            kv.pool.close()
+        """Per model, on the worker thread: compile the packed step where wanted, then run each kind of
+        step once (ModelStep.warm_up), so the first client pays for neither."""
+        for name, step in self.steps.items():
+            step.warm_up(functools.partial(self._forward, name))
 
     def run(self, items: list[tuple[JobState, Work]]) -> list[torch.Tensor | None]:
         """One forward over the step's work (every item is of one model)."""

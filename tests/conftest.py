@@ -51,7 +51,8 @@ def settings_dict(tmp_path: Path, base_url: str = "") -> dict[str, Any]:
     return {
         "attention_store": {"tiering": {"l2_disk": {"path": str(tmp_path / "kv")}}},
         "llm_endpoint": {"base_url": base_url, "api_key_env": "ATTNSTORE_TEST_UPSTREAM_KEY", "model": ""},
-        "local_runner": {"enabled": False},
+        # compile off: a runner per test would compile for a minute (tests/test_compiled_step.py covers it)
+        "local_runner": {"enabled": False, "compile": False},
         "proxy": {"host": "127.0.0.1", "port": 0},
     }
 

@@ -190,6 +190,7 @@ def test_healthz_names_each_local_models_device_dtype_and_batching(local_proxy):
         "dtype": "float32",
         "batched": True,
         "batch_invariant": False,
+        "compiled": "off",  # the tests' settings turn compile off (tests/test_compiled_step.py has it on)
         "kv_slots": 16,
         "context": 8192,
     }

@@ -37,6 +37,7 @@ def start_pair(tmp: Path, redis_url: str, *, forwarding: bool) -> Iterator[list[
                     "cache_dir": str(REPO / "var" / "models"),
                     "device": "cpu",
                     "threads": 1,
+                    "compile": False,
                 },
                 "proxy": {"session_index": redis_url, "replica_id": name},
             }

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kvtier import KVStore, StoreConfig
+from local_runner.compiled import use_cache_dir
 from local_runner.loader import LoadedModel, load_model
 from local_runner.runner import Runner
 
@@ -79,6 +80,8 @@ def build_local_backend(
 ) -> LocalChatBackend:
     """The stores, the runner (its worker starts here) and the backend; `close()` on it stops them all."""
     lr = settings.local_runner
+    if lr.compile:
+        use_cache_dir(resolve_path(lr.cache_dir, base_dir or Path.cwd()) / "compiled")
     preload = settings.attention_store.preload
     aware = settings.attention_store.scheduler_aware
     runner = Runner(
@@ -88,6 +91,7 @@ def build_local_backend(
         max_running=lr.max_running,
         max_batch_tokens=lr.max_batch_tokens,
         batch_invariant=lr.batch_invariant,
+        compile=lr.compile,
         kv_budget_bytes=lr.max_running_kv_mb * MB,
         lookahead=preload.lookahead_turns if (preload.enabled and aware.enabled) else 0,
         scheduler_aware=aware.enabled,

@@ -1,0 +1,121 @@
+"""The compiled packed step (local_runner.compile, issue 17) with the real model in float32: its greedy
+answers equal transformers' `generate`, alone and four at once, and a second turn from stored KV equals
+a recompute; where it cannot compile it runs eagerly and says why."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvtier import KVStore, StoreConfig
+from local_runner.jobs import Finished, GenerationRequest
+from local_runner.loader import load_model
+from local_runner.params import SamplingParams
+from local_runner.runner import Runner
+from proxy.settings import DEFAULT_MODEL_SOURCE
+from tests.model_fixture import MODEL, REPO
+from tests.test_local_runner_batching import drain
+from tests.tiny_model import tiny_llama, tiny_loaded
+
+QUESTIONS = [
+    "Name three rivers in Europe.",
+    "What is the capital of Japan?",
+    "Write a haiku about autumn.",
+    "Why is the sky blue?",
+]
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """A runner compiling a model of its own (the session's shared model is packed for eager steps,
+    which a compiled step cannot take), with a store; the first job waits for the compile (~40 s)."""
+    lm = load_model(
+        MODEL, DEFAULT_MODEL_SOURCE, device="cpu", dtype="float32", cache_dir=REPO / "var" / "models"
+    )
+    l2 = tmp_path_factory.mktemp("l2")
+    store = KVStore(
+        StoreConfig(
+            l0_capacity_bytes=64 << 20, l1_capacity_bytes=64 << 20, l2_capacity_bytes=1 << 30, l2_path=l2
+        ),
+        lm.layout,
+        lm.fingerprint,
+    )
+    runner = Runner({MODEL: lm}, {MODEL: store}, max_running=4, max_queue=8, compile=True)
+    yield runner
+    runner.close()
+
+
+def generate(runner: Runner, ids: list[int]) -> list[int]:
+    """transformers' own greedy decoding of the same model (the reference)."""
+    model = runner.models[MODEL].model
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def submit(runner: Runner, ids: list[int], **kw):
+    sampling = SamplingParams(max_tokens=TOKENS, temperature=0)
+    return runner.submit(GenerationRequest(MODEL, ids, sampling, **kw))
+
+
+@pytest.mark.model
+async def test_compiled_answers_equal_generate_alone_and_four_at_once(compiled):
+    prompts = [compiled.render(MODEL, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    alone = [await drain(submit(compiled, p, reuse=False)) for p in prompts]
+    status = compiled.steps[MODEL].describe()["compiled"]
+    assert str(status).startswith("compiled in"), status  # not a silent fallback to the eager step
+    together = await asyncio.gather(*(drain(submit(compiled, p, reuse=False)) for p in prompts))
+    tokenizer = compiled.models[MODEL].tokenizer
+    for prompt, one, four in zip(prompts, alone, together, strict=True):
+        expected = tokenizer.decode(generate(compiled, prompt), skip_special_tokens=True)
+        assert one.text == expected
+        assert four.text == expected
+
+
+@pytest.mark.model
+async def test_compiled_second_turn_from_stored_kv_equals_a_recompute(compiled):
+    history = [{"role": "user", "content": "Tell me about the moon."}]
+    first = await drain(submit(compiled, compiled.render(MODEL, history), session="moon"))
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And the sun?"}]
+    ids = compiled.render(MODEL, history)
+    await asyncio.sleep(0.5)  # the first turn's KV is saved asynchronously
+    reused = await drain(submit(compiled, ids, session="moon"))
+    recomputed = await drain(submit(compiled, ids, reuse=False))
+    assert reused.first is not None and reused.first.reused_tokens > 0
+    assert reused.text == recomputed.text
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({"batch_invariant": True}, "batch_invariant runs eagerly"),
+        ({"batch": False}, "only decoder.py's forward"),
+    ],
+)
+async def test_a_step_that_cannot_compile_runs_eagerly_saying_why(options, reason):
+    lm = tiny_loaded("tiny", model=tiny_llama(seed=3))
+    runner = Runner({"tiny": lm}, compile=True, **options)
+    try:
+        status = str(runner.steps["tiny"].describe()["compiled"])
+        assert status.startswith("eager (") and reason in status
+        job = runner.submit(
+            GenerationRequest("tiny", [5, 9, 13], SamplingParams(max_tokens=4, temperature=0))
+        )
+        assert isinstance((await drain(job)).end, Finished)  # it answers, eagerly
+        assert runner.steps["tiny"].lm.dense is not None  # the eager dense path was prepared
+    finally:
+        runner.close()
+
+
+async def test_a_model_packed_by_an_eager_runner_is_not_compiled_by_a_later_one():
+    lm = tiny_loaded("tiny", model=tiny_llama(seed=3))
+    Runner({"tiny": lm}).close()  # packs the linear layers for its eager step
+    runner = Runner({"tiny": lm}, compile=True)
+    try:
+        status = str(runner.steps["tiny"].describe()["compiled"])
+        assert "already packed" in status
+    finally:
+        runner.close()
