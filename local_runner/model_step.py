@@ -57,7 +57,9 @@ class ModelStep:
                 _make_rows_invariant(lm)
         stack = _decoder_stack(lm) if packed else None
         step = cls(lm, packed, stack, _make_pool(lm, slots, context), batch_invariant, why_not is None)
-        if compile and why_not is not None and why_not != "off":
+        if why_not is None:
+            step.compile_status = "compiling (the first turn waits for it)"
+        elif why_not != "off":
             log.info("model %s: the packed step runs eagerly: %s", lm.name, why_not)
             step.compile_status = f"eager ({why_not})"
         return step

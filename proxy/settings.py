@@ -123,7 +123,8 @@ class LocalRunnerSettings(_Strict):
     # A job's tokens do not depend on which other jobs share its steps, and reused KV equals a recompute
     # bit for bit, in every dtype (README, "Batch invariance"): every token attends on its own, prompts
     # are cut into chunks of their own, and linear layers whose kernels depend on the row count multiply
-    # fixed tiles of rows. Off by default: it costs 33-55% of throughput here.
+    # fixed tiles of rows. Off by default: it costs 36-52% of throughput here (it runs eagerly, never
+    # compiled).
     batch_invariant: bool = False
     # Compile the packed step when the runner starts (torch.compile with inductor: the small operations
     # fused, the weights packed by the compiler); a step then costs ~15% less here (README, "Compiled
