@@ -21,11 +21,13 @@ from typing import Any
 
 import msgspec
 import orjson
+import urllib3
 
 from proxy.settings import Settings, parse_settings
 
 from .multiturn_options import BenchOptions
 from .support.threaded_server import AppServer
+from .support.waiting import wait_until
 
 # A 256-token chunk of SmolLM2's float32 KV is ~11.8 MB: these hold two and four chunks, so a
 # 2,000-token history spills to L2 and later turns read from all three tiers.
@@ -86,9 +88,17 @@ class InProcessTarget:
         self.settings = settings
         self._server = AppServer(build_full_app(settings, models=models, base_dir=base_dir))
 
-    def start(self) -> InProcessTarget:
+    def start(self, compile_timeout_s: float = 900) -> InProcessTarget:
+        """Start it and wait until its runner has compiled its step (the first turns would otherwise
+        wait for the compile, and the comparison would count it)."""
         self._server.start()
+        wait_until(self._warm, "the local runner's compile", compile_timeout_s, interval=0.5)
         return self
+
+    def _warm(self) -> bool:
+        doc = orjson.loads(urllib3.request("GET", self.base + "/healthz", timeout=5).data)
+        local = doc.get("local") or {}
+        return not any(str(m.get("compiled", "")).startswith("compiling") for m in local.values())
 
     @property
     def base(self) -> str:
