@@ -111,7 +111,10 @@ def test_cli_options_parse():
 
 @pytest.mark.model
 def test_bench_end_to_end(smollm, tmp_path: Path):
+    settings = tmp_path / "settings.json"
+    settings.write_text('{"local_runner": {"compile": false}}')  # a compile per proxy: a minute each
     options = BenchOptions(
+        settings=str(settings),
         conversations=2,
         min_turns=2,
         max_turns=2,

@@ -56,12 +56,14 @@ def test_many_sessions_against_a_second_attnstore_and_the_fake_upstream(
 ):
     second = local_proxy()
     out = tmp_path / "out.json"
+    settings = tmp_path / "settings.json"
+    settings.write_text('{"local_runner": {"compile": false}}')  # the bench's own attnstore: no compile
     args = parser().parse_args(
         ["--peer", second.url, "--peer-label", "second", "--peer", fake_upstream.url + "/v1"]
         + ["--peer-label", "fake", "--peer-model", MODEL, "--peer-model", "gpt-fake"]
         + ["--sessions", "3", "--turns", "2", "--concurrency", "2", "--max-message-tokens", "16"]
         + ["--max-tokens", "4", "--seed", "2", "--threads", "1", "--fast-memory-mb", "64"]
-        + ["--json", str(out), "--no-progress"]
+        + ["--json", str(out), "--no-progress", "--settings", str(settings)]
     )
     options = BenchOptions(**vars(args))
     report = run_bench(options, models={smollm.name: smollm})
