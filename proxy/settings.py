@@ -112,9 +112,10 @@ class LocalRunnerSettings(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     models: dict[str, str] = field(default_factory=lambda: {DEFAULT_MODEL_NAME: DEFAULT_MODEL_SOURCE})
     max_queue: PositiveInt = 16
-    # Jobs in one batched step; more wait in the queue (up to max_queue). 16: a step of 16 decoding jobs
-    # measured ~1.7x the time of one on this 2-core CPU (README, "Batched steps"), so throughput grows
-    # ~9x while each stream slows ~1.7x; KV slots take memory only as jobs write them (CPU).
+    # Jobs in one batched step; more wait in the queue (up to max_queue). 16: a compiled step of 16
+    # decoding jobs measured 1.8x the time of one on this 2-core CPU (README, "The engine"), so throughput
+    # grows ~9x while each stream slows 1.8x (32 jobs: 12x, each 2.6x slower); KV slots take memory only
+    # as jobs write them (CPU).
     max_running: PositiveInt = 16
     # Tokens one batched step feeds at most: every decoding job's next token, then prompt chunks of
     # starting jobs (chunked prefill). Lower: smoother streams while a long prompt arrives; higher:
