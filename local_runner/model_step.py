@@ -6,6 +6,7 @@ path, its KV pool, and batch invariance. The Runner owns one per model and asks 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,36 +59,49 @@ class ModelStep:
         stack = _decoder_stack(lm) if packed else None
         step = cls(lm, packed, stack, _make_pool(lm, slots, context), batch_invariant, why_not is None)
         if why_not is None:
-            step.compile_status = "compiling (the first turn waits for it)"
+            step.compile_status = "compiling (the eager step serves meanwhile)"
         elif why_not != "off":
             log.info("model %s: the packed step runs eagerly: %s", lm.name, why_not)
             step.compile_status = f"eager ({why_not})"
         return step
 
     def warm_up(self, run: Callable[[list[Work]], object]) -> None:
-        """On the runner's thread, before the first job: compile the packed step if wanted, then run
-        each kind of step once through `run` (the step as the runner calls it), so that no client pays
-        for a compile or for lazy initialisation (kernels, allocator arenas: a first 40-token prefill
-        was ~2 s slower)."""
+        """On the runner's thread, before the first job: run each kind of step once through `run` (the
+        step as the runner calls it), so that no client pays for lazy initialisation (kernels, allocator
+        arenas: a first 40-token prefill was ~2 s slower); then, if wanted, compile the packed step on a
+        thread of its own. Jobs run on the eager step meanwhile (its linear layers as loaded: slower,
+        never waiting) and on the compiled one from the step after it is ready."""
+        _each_step_kind(self.lm, run)
         if self.compile_wanted and self.stack is not None:
             self.compile_wanted = False
-            started = time.perf_counter()
-            try:
-                self.compiled = CompiledStack(self.lm.model, self.stack)
-                _each_step_kind(self.lm, run)
-            except Exception as exc:  # any compiler failure: the eager forward computes the same thing
-                self.compiled = None
-                reason = first_line(exc)
-                log.warning(
-                    "model %s: the packed step runs eagerly: torch.compile failed: %s", self.lm.name, reason
-                )
-                self.compile_status = f"eager (compile failed: {reason})"
-                _pack(self.lm)
-                self.stack = _decoder_stack(self.lm)
-            else:
-                self.compile_status = f"compiled in {time.perf_counter() - started:.1f} s"
-                log.info("model %s: the packed step is %s", self.lm.name, self.compile_status)
-        _each_step_kind(self.lm, run)
+            threading.Thread(
+                target=self._compile, args=(self.stack,), name="attnstore-compile", daemon=True
+            ).start()
+
+    def _compile(self, stack: DecoderStack) -> None:
+        """Compile and warm up the packed step on standalone KV (never a running job's). On a thread
+        that ends with it: every thread that runs a parallel torch op keeps an OpenMP team for life
+        (loader.on_passing_thread), so the runner's steps are slower only while this runs."""
+        started = time.perf_counter()
+        try:
+            compiled = CompiledStack(self.lm.model, stack)
+            _each_step_kind(self.lm, lambda work: run_packed(self.lm, work, stack=compiled))
+        except Exception as exc:  # any compiler failure: the eager forward computes the same thing
+            reason = first_line(exc)
+            log.warning(
+                "model %s: the packed step runs eagerly: torch.compile failed: %s", self.lm.name, reason
+            )
+            _pack(self.lm)
+            self.stack = _decoder_stack(self.lm)  # the packed layers; the worker takes it at its next step
+            self.compile_status = f"eager (compile failed: {reason})"
+        else:
+            self.compiled = compiled  # the worker's next step runs it
+            self.compile_status = f"compiled in {time.perf_counter() - started:.1f} s"
+            log.info("model %s: the packed step is %s", self.lm.name, self.compile_status)
+
+    @property
+    def compiling(self) -> bool:
+        return self.compile_status.startswith("compiling")
 
     def forward(self, work: list[Work]) -> list[torch.Tensor | None]:
         if self.packed:

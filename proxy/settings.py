@@ -128,10 +128,11 @@ class LocalRunnerSettings(_Strict):
     # compiled).
     batch_invariant: bool = False
     # Compile the packed step when the runner starts (torch.compile with inductor: the small operations
-    # fused, the weights packed by the compiler); a step then costs ~15% less here (README, "Compiled
-    # step"). The first start compiles for ~1-2 min on this 2-core CPU, later starts reuse the compiled
-    # code cached under cache_dir/compiled. A model the compiler cannot take runs eagerly, said once in
-    # the log and in /healthz. batch_invariant runs eagerly whatever this says.
+    # fused, the weights packed by the compiler); a step then costs 5-15% less here (README, "The
+    # engine: batched steps"). The compile takes ~35-70 s on this 2-core CPU, on a thread of its own
+    # after start (turns run uncompiled meanwhile); its C++ kernels are cached under
+    # cache_dir/compiled. A model the compiler cannot take runs eagerly, said once in the log and in
+    # /healthz. batch_invariant runs eagerly whatever this says.
     compile: bool = True
     # KV memory the running jobs' buffers may take (prompt + max_tokens each); a job that would go
     # past it waits in the queue. 0: bounded by max_running only.

@@ -16,6 +16,7 @@ from local_runner.params import SamplingParams
 from local_runner.runner import Runner
 from proxy.settings import DEFAULT_MODEL_SOURCE
 from tests.model_fixture import MODEL, REPO
+from tests.support.waiting import wait_until
 from tests.test_local_runner_batching import drain
 from tests.tiny_model import tiny_llama, tiny_loaded
 
@@ -31,7 +32,7 @@ TOKENS = 12
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """A runner compiling a model of its own (the session's shared model is packed for eager steps,
-    which a compiled step cannot take), with a store; the first job waits for the compile (~40 s)."""
+    which a compiled step cannot take), with a store, once its compile (~40 s) is done."""
     lm = load_model(
         MODEL, DEFAULT_MODEL_SOURCE, device="cpu", dtype="float32", cache_dir=REPO / "var" / "models"
     )
@@ -44,6 +45,7 @@ def compiled(tmp_path_factory):
         lm.fingerprint,
     )
     runner = Runner({MODEL: lm}, {MODEL: store}, max_running=4, max_queue=8, compile=True)
+    wait_until(lambda: not runner.steps[MODEL].compiling, "the compile", 600, interval=0.5)
     yield runner
     runner.close()
 
@@ -63,10 +65,10 @@ def submit(runner: Runner, ids: list[int], **kw):
 
 @pytest.mark.model
 async def test_compiled_answers_equal_generate_alone_and_four_at_once(compiled):
-    prompts = [compiled.render(MODEL, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    alone = [await drain(submit(compiled, p, reuse=False)) for p in prompts]
     status = compiled.steps[MODEL].describe()["compiled"]
     assert str(status).startswith("compiled in"), status  # not a silent fallback to the eager step
+    prompts = [compiled.render(MODEL, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    alone = [await drain(submit(compiled, p, reuse=False)) for p in prompts]
     together = await asyncio.gather(*(drain(submit(compiled, p, reuse=False)) for p in prompts))
     tokenizer = compiled.models[MODEL].tokenizer
     for prompt, one, four in zip(prompts, alone, together, strict=True):
@@ -117,5 +119,27 @@ async def test_a_model_packed_by_an_eager_runner_is_not_compiled_by_a_later_one(
     try:
         status = str(runner.steps["tiny"].describe()["compiled"])
         assert "already packed" in status
+    finally:
+        runner.close()
+
+
+async def test_jobs_are_served_eagerly_while_the_step_compiles():
+    """A runner answers at once after start: its first jobs run on the eager step while the compile
+    runs on its own thread, and the step switches to the compiled one when that is ready."""
+    lm = tiny_loaded("tiny", model=tiny_llama(seed=6))
+    runner = Runner({"tiny": lm}, compile=True)
+    try:
+        step = runner.steps["tiny"]
+        job = runner.submit(
+            GenerationRequest("tiny", [5, 9, 13], SamplingParams(max_tokens=4, temperature=0))
+        )
+        first = await drain(job)
+        assert isinstance(first.end, Finished) and step.compiling  # answered before the compile was done
+        wait_until(lambda: not step.compiling, "the compile", 600, interval=0.2)
+        assert str(step.describe()["compiled"]).startswith("compiled in"), step.describe()
+        again = await drain(
+            runner.submit(GenerationRequest("tiny", [5, 9, 13], SamplingParams(max_tokens=4, temperature=0)))
+        )
+        assert again.text == first.text  # float32: the compiled step answers as the eager one did
     finally:
         runner.close()
