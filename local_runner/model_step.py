@@ -5,7 +5,9 @@ path, its KV pool, and batch invariance. The Runner owns one per model and asks 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -83,6 +85,8 @@ class ModelStep:
         that ends with it: every thread that runs a parallel torch op keeps an OpenMP team for life
         (loader.on_passing_thread), so the runner's steps are slower only while this runs."""
         started = time.perf_counter()
+        with contextlib.suppress(OSError):  # the lowest CPU priority for this thread and its compilers
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             compiled = CompiledStack(self.lm.model, stack)
             _each_step_kind(self.lm, lambda work: run_packed(self.lm, work, stack=compiled))
