@@ -34,7 +34,7 @@ class ModelStep:
     stack: DecoderStack | None  # the packed step's forward when the model has Llama's layers
     pool: SlotPool
     batch_invariant: bool
-    compile_wanted: bool  # compile the packed step at warm-up (falls back to eager, saying why)
+    compile_wanted: bool  # compile the packed step after warm-up (falls back to eager, saying why)
     compiled: CompiledStack | None = None
     compile_status: str = "off"
 
@@ -50,7 +50,7 @@ class ModelStep:
         compile: bool = False,
     ) -> ModelStep:
         """`batch=False`: one forward per job for this model (a benchmark's same-run baseline). `compile`:
-        the packed step is compiled by `warm_up` (on the runner's thread), where the model allows."""
+        where the model allows, `warm_up` starts compiling the packed step on a thread of its own."""
         packed = batch and _takes_packed_step(lm)
         has_stack = packed and DecoderStack.unfit(lm.model) is None
         why_not = _why_not_compiled(lm, has_stack, batch_invariant) if compile else "off"
