@@ -22,6 +22,8 @@ from local_runner.model_step import ModelStep
 from local_runner.step import Work
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
+from .support.waiting import wait_until
+
 
 def prepare(args: argparse.Namespace, *, compile: bool) -> ModelStep:
     """A model of its own per variant (a compiled step needs the linear layers as loaded)."""
@@ -36,6 +38,7 @@ def prepare(args: argparse.Namespace, *, compile: bool) -> ModelStep:
     )
     started = time.perf_counter()
     step.warm_up(step.forward)
+    wait_until(lambda: not step.compiling, "the compile", 900, interval=0.2)  # it runs on its own thread
     print(
         f"{'compiled' if compile else 'eager'}: warm-up {time.perf_counter() - started:.1f} s ({step.compile_status})"
     )
