@@ -129,7 +129,7 @@ class LocalRunnerSettings(_Strict):
     batch_invariant: bool = False
     # Compile the packed step when the runner starts (torch.compile with inductor: the small operations
     # fused, the weights packed by the compiler); a step then costs 5-15% less here (README, "The
-    # engine: batched steps"). The compile takes ~35-70 s on this 2-core CPU, on a thread of its own
+    # engine: batched steps"). The compile takes ~30-45 s on this 2-core CPU, on a thread of its own
     # after start (turns run uncompiled meanwhile); its C++ kernels are cached under
     # cache_dir/compiled. A model the compiler cannot take runs eagerly, said once in the log and in
     # /healthz. batch_invariant runs eagerly whatever this says.
