@@ -272,13 +272,6 @@ def _load_model(
     )
 
 
-def prepare_dense(model: Any, dtype: torch.dtype, device: torch.device) -> str:
-    """Fuse a Llama-family model's projections (decoder.py) and pack the linear weights for oneDNN where
-    this machine can (dense.py); returns the dense path's name for /healthz and the log."""
-    fuse_llama_projections(model)
-    return pack_dense(model, dtype, device)
-
-
 def fuse_llama_projections(model: Any) -> None:
     """q/k/v and gate/up as one matrix product each, for models decoder.py runs (at load: every step
     kind, eager or compiled, gains from it)."""

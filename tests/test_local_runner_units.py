@@ -114,15 +114,16 @@ def test_the_decoder_stack_computes_what_the_transformers_forward_does():
 
 
 def test_fused_and_packed_projections_change_only_rounding():
-    """load_model fuses q/k/v and gate/up and packs the linear layers: the decoder stack on such a model
-    agrees with the untouched model's transformers forward to float rounding, and transformers' own
-    forward on the fused model (through the projection slices) still works."""
+    """load_model fuses q/k/v and gate/up and an eager runner packs the linear layers: the decoder stack
+    on such a model agrees with the untouched model's transformers forward to float rounding, and
+    transformers' own forward on the fused model (through the projection slices) still works."""
     from local_runner.decoder import DecoderStack
-    from local_runner.loader import prepare_dense
+    from local_runner.loader import fuse_llama_projections, pack_dense
     from local_runner.packed_attention import use_packed_attention
 
     fused, plain = tiny_loaded(model=tiny_llama(seed=5)), tiny_loaded(model=tiny_llama(seed=5))
-    prepare_dense(fused.model, torch.float32, torch.device("cpu"))
+    fuse_llama_projections(fused.model)  # as load_model does
+    pack_dense(fused.model, torch.float32, torch.device("cpu"))  # as an eager runner does
     assert hasattr(fused.model.model.layers[0].self_attn, "qkv_proj")
     for lm in (fused, plain):
         use_packed_attention(lm.model)
