@@ -62,8 +62,8 @@ class Segment:
 
 @dataclass
 class _Decode:
-    """A group's batched decode call, laid out once per step (every layer reuses it): the queries of the
-    jobs in `segments` against pool rows [lo, lo + rows) up to `keys` keys, `mask` [rows, 1, 1, keys]
+    """A group's batched decode call, laid out once per step (every layer reuses it): the decoding jobs'
+    queries against pool rows [lo, lo + rows) up to `keys` keys, `mask` [rows, 1, 1, keys]
     (additive, in the model's dtype) hiding each row's keys past its own job's length. `slot_rows` places
     each job's query in its slot's row, `packed` names the jobs' rows of the packed sequence; either is
     None where it is the identity (slots lo, lo + 1, ... in order; packed rows a contiguous range
@@ -232,28 +232,53 @@ def _write_kv(
 def _decode_step(
     g: _PoolGroup, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
 ) -> torch.Tensor:
+    """`attend` for a step of decoding tokens only, in slot order: the result is the call's own output."""
     k_pool, v_pool = _write_kv(g, layer, key, value)
-    tokens, heads, head_dim = query.shape
-    kv_heads = k_pool.shape[1]
     if g.decode is None:
         seg = g.decode_alone[0]
-        end, slot = seg.kv.length + 1, seg.kv.slot
-        o = F.scaled_dot_product_attention(
-            query.reshape(1, kv_heads, heads // kv_heads, head_dim),
-            k_pool[slot : slot + 1, :, :end],
-            v_pool[slot : slot + 1, :, :end],
-            scale=scaling,
-        )
-        return o.reshape(1, heads, head_dim)
-    d = g.decode
+        return _row_attention(query[0], k_pool, v_pool, seg.kv.slot, seg.kv.length + 1, scaling)[None]
+    return _batched_decode(g.decode, query, k_pool, v_pool, scaling)
+
+
+def _batched_decode(
+    d: _Decode, queries: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """The decoding jobs' queries ([jobs, heads, head_dim], in slot order) in ONE call against their
+    slots' K/V, each row masked past its own job's length; [jobs, heads, head_dim] out. The query heads
+    that share a K/V head are folded into the query axis, so K/V are never expanded."""
+    jobs, heads, head_dim = queries.shape
+    kv_heads = k_pool.shape[1]
+    q = queries.reshape(jobs, kv_heads, heads // kv_heads, head_dim)
+    if d.slot_rows is not None:  # free slots between the jobs' get zero queries, masked rows
+        spread = q.new_zeros(d.rows, *q.shape[1:])
+        spread[d.slot_rows] = q
+        q = spread
     o = F.scaled_dot_product_attention(
-        query.reshape(tokens, kv_heads, heads // kv_heads, head_dim),
+        q,
         k_pool[d.lo : d.lo + d.rows, :, : d.keys],
         v_pool[d.lo : d.lo + d.rows, :, : d.keys],
         attn_mask=d.mask,
         scale=scaling,
     )
-    return o.reshape(tokens, heads, head_dim)
+    if d.slot_rows is not None:
+        o = o[d.slot_rows]
+    return o.reshape(jobs, heads, head_dim)
+
+
+def _row_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot: int, end: int, scaling: float
+) -> torch.Tensor:
+    """One token's query ([heads, head_dim]) against its slot's keys [0, end), query heads folded as in
+    `_batched_decode`; [heads, head_dim] out."""
+    heads, head_dim = q.shape
+    kv_heads = k_pool.shape[1]
+    o = F.scaled_dot_product_attention(
+        q.reshape(1, kv_heads, heads // kv_heads, head_dim),
+        k_pool[slot : slot + 1, :, :end],
+        v_pool[slot : slot + 1, :, :end],
+        scale=scaling,
+    )
+    return o.reshape(heads, head_dim)
 
 
 def _attend_group(
@@ -267,45 +292,24 @@ def _attend_group(
     out: torch.Tensor,
 ) -> None:
     k_pool, v_pool = _write_kv(g, layer, key, value)
-    heads, head_dim = query.shape[1], query.shape[2]
-    kv_heads = k_pool.shape[1]
-    group = heads // kv_heads
     d = g.decode
     if d is not None:
-        # Fold the query heads that share a K/V head into the query axis: SDPA then runs plain attention
-        # against the un-expanded K/V of each slot.
         first, end = d.packed_range
-        jobs = end - first
-        q = query[first:end] if d.packed is None else query[d.packed]
-        q = q.reshape(jobs, kv_heads, group, head_dim)
-        if d.slot_rows is not None:
-            spread = q.new_zeros(d.rows, kv_heads, group, head_dim)
-            spread[d.slot_rows] = q
-            q = spread
-        o = F.scaled_dot_product_attention(
-            q,
-            k_pool[d.lo : d.lo + d.rows, :, : d.keys],
-            v_pool[d.lo : d.lo + d.rows, :, : d.keys],
-            attn_mask=d.mask,
-            scale=scaling,
-        )
-        if d.slot_rows is not None:
-            o = o[d.slot_rows]
-        o = o.reshape(jobs, heads, head_dim)
-        if d.packed is None:
-            out[first:end] = o
-        else:
-            out[d.packed] = o
+        rows = slice(first, end) if d.packed is None else d.packed
+        out[rows] = _batched_decode(d, query[rows], k_pool, v_pool, scaling)
     for seg in g.decode_alone:
-        _attend_row(query, k_pool, v_pool, seg.kv.slot, seg.offset, seg.kv.length + 1, scaling, out)
+        out[seg.offset] = _row_attention(
+            query[seg.offset], k_pool, v_pool, seg.kv.slot, seg.kv.length + 1, scaling
+        )
     for seg in g.prefill:
         if plan.batch_invariant:
             # Row by row, each exactly as a decoding token attends: the flash kernel rounds a row of a
             # causal chunk differently with the chunk's length, so stored KV (computed in the chunks
             # of earlier turns, its answers a token at a time) would not equal a recompute's.
             for j in range(seg.n):
-                _attend_row(
-                    query, k_pool, v_pool, seg.kv.slot, seg.offset + j, seg.kv.length + j + 1, scaling, out
+                row = seg.offset + j
+                out[row] = _row_attention(
+                    query[row], k_pool, v_pool, seg.kv.slot, seg.kv.length + j + 1, scaling
                 )
             continue
         past, n, slot = seg.kv.length, seg.n, seg.kv.slot
@@ -319,27 +323,6 @@ def _attend_group(
             enable_gqa=True,
         )
         out[seg.offset : seg.offset + n] = o[0].transpose(0, 1)
-
-
-def _attend_row(
-    query: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    slot: int,
-    row: int,
-    end: int,
-    scaling: float,
-    out: torch.Tensor,
-) -> None:
-    """One token's query (packed row `row`) against its slot's keys [0, end): the query heads that share a
-    K/V head folded into the query axis, so K/V are never expanded."""
-    heads, head_dim = query.shape[1], query.shape[2]
-    kv_heads = k_pool.shape[1]
-    q = query[row].reshape(1, kv_heads, heads // kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(
-        q, k_pool[slot : slot + 1, :, :end], v_pool[slot : slot + 1, :, :end], scale=scaling
-    )
-    out[row] = o.reshape(heads, head_dim)
 
 
 def packed_attention(
