@@ -126,6 +126,40 @@ def fit_history(
     return render_prompt(tokenizer, kept), n - len(kept)
 
 
+def fit_turn(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict[str, Any]],
+    *,
+    model: str,
+    limit: int,
+    reserve: int,
+    truncate: bool,
+) -> tuple[list[int], int]:
+    """(prompt ids, messages dropped) for one turn, leaving `reserve` tokens of `limit` for the answer
+    (at most a quarter of the context: a large max_tokens is capped, never a reason to refuse).
+
+    A conversation that has outgrown the context loses its oldest whole turns when `truncate` is set
+    (`fit_history`); otherwise, or when even that cannot fit it, PromptError (context_length_exceeded).
+    Every engine renders through here, so every engine cuts a conversation at the same place."""
+    reserve = max(1, min(reserve, limit // 4))
+    if truncate:
+        ids, dropped = fit_history(tokenizer, messages, limit, reserve)
+    else:
+        ids, dropped = render_prompt(tokenizer, messages), 0
+    check_fits(ids, model=model, limit=limit, reserve=reserve)
+    return ids, dropped
+
+
+def check_fits(ids: Sequence[int], *, model: str, limit: int, reserve: int, param: str = "messages") -> None:
+    """PromptError (context_length_exceeded) unless the prompt leaves `reserve` of `limit` tokens."""
+    if len(ids) + reserve > limit:
+        raise PromptError(
+            f"the prompt has {len(ids)} tokens; {model} takes at most {limit - reserve} here",
+            param,
+            code="context_length_exceeded",
+        )
+
+
 def _cut_to(length: Callable[[int, int], int], starts: list[int], cut: int, end: int, target: int) -> int:
     """The earliest turn start after `cut` from which messages up to `end` fit `target` tokens, or the
     latest one before the last message when none does (that turn's prompt is then refused or served)."""

@@ -18,7 +18,7 @@ from .jobs import GenerationRequest, Job
 from .kv_slots import SlotPool
 from .loader import LoadedModel
 from .model_step import ModelStep
-from .prompt import PromptError, fit_history, render_prompt
+from .prompt import fit_turn
 from .realign import ShiftStats
 from .rope_config import rope_shift_for
 from .rope_shift import RopeShift
@@ -143,17 +143,9 @@ class Runner:
         runner cannot serve."""
         tokenizer = self.models[model].tokenizers.get()
         limit = self.context_limit(model)
-        reserve = max(1, min(reserve, limit // 4))
-        if self._truncate:
-            ids, dropped = fit_history(tokenizer, messages, limit, reserve)
-        else:
-            ids, dropped = render_prompt(tokenizer, messages), 0
-        if len(ids) + reserve > limit:
-            raise PromptError(
-                f"the prompt has {len(ids)} tokens; {model} takes at most {limit - reserve} here",
-                "messages",
-                code="context_length_exceeded",
-            )
+        ids, dropped = fit_turn(
+            tokenizer, messages, model=model, limit=limit, reserve=reserve, truncate=self._truncate
+        )
         return RenderedPrompt(ids, dropped)
 
     def submit(

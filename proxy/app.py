@@ -16,9 +16,10 @@ from .forwarding import install_forwarding
 from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
 from .metrics import Metrics, RunnerCollector
 from .middleware import error_middleware
-from .routes_chat import chat_completions
 from .routes_misc import healthz, list_models
+from .routes_passthrough import PASSTHROUGH_PATH, pass_through
 from .routes_store import forget_session, metrics, stats, store_stats
+from .routes_turns import chat_completions, completions, create_response, delete_response, get_response
 from .server_log import install_bad_request_log
 from .session_index import MemorySessionIndex, SessionIndex, open_session_index
 from .settings import Settings
@@ -64,6 +65,7 @@ def _local_serving(build: LocalBuilder | None) -> Callable[[web.Application], As
             yield
         finally:
             if backend is not None:
+                await backend.aclose()
                 await asyncio.to_thread(backend.close)
 
     return local_serving
@@ -97,11 +99,17 @@ def build_app(
     # their KV. Otherwise nothing.
     install_forwarding(app, settings, app[SESSION_INDEX])
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/attention_store/stats", stats)
     app.router.add_delete("/v1/attention_store/sessions/{session_id}", forget_session)
+    # Last: whatever the routes above do not serve goes upstream as it came.
+    app.router.add_route("*", PASSTHROUGH_PATH, pass_through)
     return app
 
 

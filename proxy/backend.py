@@ -1,11 +1,13 @@
 """The one seam between the proxy and local serving: `LocalBackend`.
 
 The app holds one under `keys.LOCAL_BACKEND` (None: everything goes upstream), built when the app starts
-and closed when it stops (`app.local_serving`, a cleanup_ctx). The chat handler asks it whether it
-`supports` a request, then lets it `handle` a local turn, reporting its outcome through the `Turn`. The
+and closed when it stops (`app.local_serving`, a cleanup_ctx). The turn handlers (chat, completions,
+responses) ask it whether it `supports` a request, then let it `handle` a local turn, reporting its
+outcome through the `Turn`. The
 other endpoints ask it for its load, stats and description, and to forget a session.
 
-`proxy.local.LocalChatBackend` is the real one (it runs turns on `local_runner`); tests put stand-ins here.
+`proxy.serving.LocalServing` is the real one (the serving layer, above the embedded engine or vLLM); tests
+put stand-ins here.
 A stand-in may subclass this protocol to inherit the answers of a backend that holds nothing (no load, no
 stats, nothing to close). Nothing here imports torch.
 """
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
-from .chat_request import ChatRequest
+from .openai.requests import ApiRequest
 from .turn import Turn
 
 if TYPE_CHECKING:  # torch loads only when the local runner is enabled
@@ -24,11 +26,11 @@ if TYPE_CHECKING:  # torch loads only when the local runner is enabled
 
 
 class LocalBackend(Protocol):
-    def supports(self, chat: ChatRequest) -> str | None:
+    def supports(self, req: ApiRequest) -> str | None:
         """None when this request can be served locally, else the reason it cannot (goes upstream)."""
         ...
 
-    async def handle(self, request: web.Request, chat: ChatRequest, turn: Turn) -> web.StreamResponse:
+    async def handle(self, request: web.Request, req: ApiRequest, turn: Turn) -> web.StreamResponse:
         """Serve the request locally: report the first token to `turn` (`turn.local_first_token`), send
         `turn.headers()` with the answer, `turn.finish(...)` when the answer is complete. Raise
         `APIError` for an error answer (the middleware tags and finishes it)."""
@@ -53,6 +55,10 @@ class LocalBackend(Protocol):
     def forget_session(self, tenant: str, session: str) -> int:
         """Drop this tenant's session from every tier; the number of chunks dropped. Blocking."""
         return 0
+
+    async def aclose(self) -> None:
+        """On the event loop, before `close`: what serving holds there (HTTP sessions)."""
+        return None
 
     def close(self) -> None:
         """Stop serving: the runner's worker, the stores' pending L2 writes (finished, so a restart finds

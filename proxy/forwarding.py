@@ -31,10 +31,10 @@ from aiohttp import web
 
 from kvtier.tier_names import MEMORY_TIERS  # torch-free: the tier names only
 
-from .chat_request import ChatRequest
 from .header_filter import inbound_headers, outbound_headers
 from .headers import FORWARDED_BY
 from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS
+from .openai.requests import ApiRequest
 from .session_index import ReplicaInfo, SessionIndex, SessionRecord
 from .settings import Settings, replica_id
 from .turn import Turn
@@ -111,7 +111,7 @@ class Forwarder:
     # -- one turn -------------------------------------------------------------------------------------
 
     async def try_forward(
-        self, request: web.Request, chat: ChatRequest, turn: Turn
+        self, request: web.Request, chat: ApiRequest, turn: Turn
     ) -> web.StreamResponse | None:
         """The owner's answer when this turn belongs there, else None (serve it here)."""
         if FORWARDED_BY in request.headers:
@@ -129,7 +129,7 @@ class Forwarder:
         return response
 
     async def _forward(
-        self, request: web.Request, chat: ChatRequest, turn: Turn, url: str, owner: str
+        self, request: web.Request, chat: ApiRequest, turn: Turn, url: str, owner: str
     ) -> web.StreamResponse | None:
         http = request.app[HTTP_CLIENT]
         sent_at = time.monotonic()

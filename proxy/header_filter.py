@@ -1,10 +1,12 @@
-"""The one filter for headers that cross the proxy, for every call it makes on a client's behalf: a chat turn
-or `GET /v1/models` sent to the upstream, and a turn forwarded to the replica holding its KV.
+"""The one filter for headers that cross the proxy, for every call it makes on a client's behalf: a chat turn,
+`GET /v1/models` or any other request passed through to the upstream, and a turn forwarded to the replica
+holding its KV.
 
 What a client's headers lose on the way out:
 
 - always: hop-by-hop headers (and any the client's `Connection` names), `Host`, `Content-Length` (the
-  client library sets them for the new connection);
+  client library sets them for the new connection; a body streamed up verbatim gets its length back,
+  see `upstream`), `Expect`;
 - to the upstream: `X-Session-Id` (the proxy's own), and the client's `Authorization` when the proxy
   authenticates clients (`proxy.api_keys` or `proxy.admin_keys`): that key is for this proxy only, no
   client credential reaches the upstream. The key that `llm_endpoint.api_key_env` names, when set,
@@ -41,7 +43,9 @@ HOP_BY_HOP = frozenset(
         "Upgrade",
     )
 )
-_DROP_ALWAYS = HOP_BY_HOP | {"host", "content-length"}
+# Expect (100-continue) is answered by this proxy's server, per connection; the call it makes sends its
+# body at once, so passing it on would only have an upstream wait for a continue nobody sends.
+_DROP_ALWAYS = HOP_BY_HOP | {"host", "content-length", "expect"}
 _DROP_TO_UPSTREAM = _DROP_ALWAYS | {SESSION_HEADER.lower()}
 _DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
 

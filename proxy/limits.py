@@ -1,6 +1,6 @@
 """Cheap limits that run before any expensive work: where the proxy may listen without client keys, how big
-a body may be and how long it may take to arrive, and whether a prompt can possibly fit the model's
-context before it is tokenized.
+a body may be and how long it may take to arrive (read whole, or streamed on as it arrives), and whether a
+prompt can possibly fit the model's context before it is tokenized.
 
 The prompt bound. Tokenizing is the first expensive step of a local turn (a 10 MB body is ~30 s of CPU),
 so a prompt that cannot fit is refused by counting characters first. A model's tokens decode to at most
@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import Sequence
+import time
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .errors import APIError
 
@@ -125,18 +127,71 @@ def refuse_oversized_local_body(request: web.Request, context: int) -> None:
         )
 
 
+def _body_late(what: str) -> APIError:
+    # Connection: close: the rest of the body is never read, so the connection cannot carry another request.
+    return APIError(408, f"The request body {what}.", code="request_timeout", headers={"Connection": "close"})
+
+
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body (client_max_size applies: 413 via the error middleware), or a 408 when it does not
     arrive within `timeout_s`, e.g. a Content-Length larger than what the client sends."""
     try:
         return await asyncio.wait_for(request.read(), timeout_s)
     except asyncio.TimeoutError:
-        raise APIError(
-            408,
-            f"The request body did not arrive within {timeout_s:g} s.",
-            code="request_timeout",
-            headers={"Connection": "close"},
-        ) from None
+        raise _body_late(f"did not arrive within {timeout_s:g} s") from None
+
+
+def body_too_large(limit: int, size: int | None = None) -> APIError:
+    """413 for a body past proxy.max_body_mb (`limit` bytes); `size`, when the client declared it."""
+    declared = f" ({size} bytes)" if size is not None else ""
+    return APIError(
+        413,
+        f"Request body too large{declared}: proxy.max_body_mb allows at most {limit} bytes.",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+class StreamedBody:
+    """A request body passed on as it arrives, never held whole (a multi-megabyte upload reaches the
+    upstream while the client still sends it), under the limits `read_body` applies to a body read
+    whole: at most `limit` bytes (413, before a byte is read when Content-Length says so already) and
+    no silence longer than `idle_s` (408); a client that goes away mid-body, or sends a malformed one,
+    is a 400.
+
+    Whoever consumes `chunks()` (aiohttp's client, writing it upstream) reports only that writing the
+    body failed, so `error` keeps why, for the answer; `ended_at` is when its last byte arrived."""
+
+    def __init__(self, request: web.Request, *, limit: int, idle_s: float) -> None:
+        if request.content_length is not None and request.content_length > limit:
+            raise body_too_large(limit, request.content_length)
+        self._content = request.content
+        self._limit = limit
+        self._idle_s = idle_s
+        self.error: APIError | None = None
+        self.ended_at: float | None = None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        received = 0
+        while chunk := await self._next():
+            received += len(chunk)
+            if received > self._limit:
+                raise self._stop(body_too_large(self._limit))
+            yield chunk
+        self.ended_at = time.monotonic()
+
+    async def _next(self) -> bytes:
+        try:
+            return await asyncio.wait_for(self._content.readany(), self._idle_s)
+        except asyncio.TimeoutError:
+            raise self._stop(_body_late(f"stalled for more than {self._idle_s:g} s")) from None
+        except (ConnectionError, HttpProcessingError):
+            message = "The request body was cut short: the client went away or sent a malformed body."
+            raise self._stop(APIError(400, message, code="incomplete_body")) from None
+
+    def _stop(self, error: APIError) -> APIError:
+        self.error = error
+        return error
 
 
 def is_loopback(host: str) -> bool:

@@ -10,6 +10,53 @@ from prometheus_client.registry import Collector
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
 
+# The path label of a pass-through: OpenAI's resources under /v1, and their sub-resources that are words
+# (never an id: /v1/files/file-abc/content counts as /v1/files), so the label set stays small whatever
+# clients send; an unknown resource is "/v1/other".
+_RESOURCES: dict[str, frozenset[str]] = {
+    name: frozenset(subs)
+    for name, subs in {
+        "assistants": (),
+        "audio": ("speech", "transcriptions", "translations"),
+        "batches": (),
+        "chat": ("completions",),
+        "completions": (),
+        "containers": (),
+        "conversations": (),
+        "embeddings": (),
+        "evals": (),
+        "files": (),
+        "fine_tuning": ("alpha", "checkpoints", "jobs"),
+        "images": ("edits", "generations", "variations"),
+        "models": (),
+        "moderations": (),
+        "organization": (),
+        "realtime": ("client_secrets", "sessions", "transcription_sessions"),
+        "responses": (),
+        "threads": (),
+        "uploads": (),
+        "vector_stores": (),
+        "videos": (),
+    }.items()
+}
+
+
+def passthrough_path_label(path: str) -> str:
+    """`/v1/<resource>[/<sub-resource>]` of a path under /v1 (see `_RESOURCES`), or `/v1/other`."""
+    parts = path.split("/", 4)  # "", "v1", resource, sub-resource, rest
+    resource = parts[2] if len(parts) > 2 else ""
+    subs = _RESOURCES.get(resource)
+    if subs is None:
+        return "/v1/other"
+    if len(parts) > 3 and parts[3] in subs:
+        return f"/v1/{resource}/{parts[3]}"
+    return f"/v1/{resource}"
+
+
+def status_class(status: int | None) -> str:
+    """`2xx`, `4xx`, ...; `aborted` when no answer went out (the client left first)."""
+    return f"{status // 100}xx" if status is not None else "aborted"
+
 
 class _StoreCollector(Collector):
     """Turns the KV stores' stats dicts into gauges and counters when Prometheus scrapes."""
@@ -86,6 +133,13 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.passthrough = Counter(
+            "attnstore_passthrough_requests",
+            "Requests passed through to the upstream as they came, by API path (ids left out) and the "
+            "status class of their answer",
+            ["path", "status"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "attnstore_ttft_seconds",
             "Time to first token by cache level",
@@ -102,6 +156,9 @@ class Metrics:
         if route == "local":
             self.reused_tokens.inc(reused)
             self.prefilled_tokens.inc(max(0, prompt - reused))
+
+    def count_passthrough(self, path: str, status: int | None) -> None:
+        self.passthrough.labels(passthrough_path_label(path), status_class(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

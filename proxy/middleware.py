@@ -1,6 +1,7 @@
 """The one middleware: client auth (the only check, on everything but /healthz), every error as an OpenAI
-error object (nothing a client sends is a 5xx), and every request of the chat endpoint opened and finished
-as a `Turn`, so its answer carries the X-AttentionStore-* headers and it logs one line, errors included."""
+error object (nothing a client sends is a 5xx), and every turn request (chat, completions, responses)
+opened and finished as a `Turn`, so its answer carries the X-AttentionStore-* headers and it logs one line,
+errors included."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ from .turn import TURN, Turn
 
 log = logging.getLogger("attnstore")
 
-CHAT_PATH = "/v1/chat/completions"
+# The turn endpoints: served locally with reuse, or upstream, each request with its turn's headers.
+TURN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 UNAUTHENTICATED_PATHS = frozenset({"/healthz"})
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path != CHAT_PATH:
+    if request.path not in TURN_PATHS:
         return await _answer(request, handler)
     turn = Turn.open(request, replica=replica_id(request.app[SETTINGS]), metrics=request.app[METRICS])
     request[TURN] = turn

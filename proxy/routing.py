@@ -1,4 +1,5 @@
-"""Decide where a chat request goes: the local backend, the upstream, or nowhere (a clear 400)."""
+"""Decide where a turn (chat, completion, response) goes: the local backend, the upstream, or nowhere
+(a clear 400)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .backend import LocalBackend
-from .chat_request import ChatRequest
+from .openai.requests import ApiRequest
 from .settings import Settings
 
 
@@ -17,15 +18,15 @@ class Route:
     reason: str | None = None
 
 
-def choose_route(settings: Settings, chat: ChatRequest, backend: LocalBackend | None) -> Route:
+def choose_route(settings: Settings, req: ApiRequest, backend: LocalBackend | None) -> Route:
     lr = settings.local_runner
     reason: str | None
-    if backend is not None and lr.enabled and chat.model in lr.models:
-        reason = backend.supports(chat)
+    if backend is not None and lr.enabled and req.model in lr.models:
+        reason = backend.supports(req)
         if reason is None:
             return Route("local")
     else:
-        reason = f"model {chat.model!r} is not served locally"
+        reason = f"model {req.model!r} is not served locally"
     if settings.llm_endpoint.base_url:
         return Route("upstream", reason)
     return Route("none", f"{reason} and no upstream is configured (llm_endpoint.base_url is empty)")

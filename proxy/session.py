@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -33,14 +33,22 @@ def prefix_fingerprint(model: str, messages: list[Any]) -> str:
     return "fp-" + hashlib.sha256(blob).hexdigest()[:16]
 
 
-def resolve_session(body: dict[str, Any], headers: Mapping[str, str], session_key: str) -> str:
-    """The request's session id; removes `session_key` from `body` (it never goes upstream)."""
+def resolve_session(
+    body: dict[str, Any],
+    headers: Mapping[str, str],
+    session_key: str,
+    fingerprint: Callable[[], str] | None = None,
+) -> str:
+    """The request's session id; removes `session_key` from `body` (it never goes upstream). Without
+    one, `fingerprint()` (default: the chat conversation's prefix fingerprint)."""
     given = body.pop(session_key, None)
     param = session_key
     if given is None:
         given = headers.get(SESSION_HEADER)
         param = SESSION_HEADER
     if given is None:
+        if fingerprint is not None:
+            return fingerprint()
         return prefix_fingerprint(str(body.get("model", "")), body.get("messages") or [])
     if not isinstance(given, str) or not is_valid_session_id(given):
         raise bad_request(f"'{param}' must be a string of 1-128 visible ASCII characters.", param=param)

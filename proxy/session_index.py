@@ -5,7 +5,9 @@ Replicas that share one L2 folder learn each other's chunk keys here, so a turn 
 replica still finds the conversation's KV on disk (an `l2_hit`). The in-memory index is the embedded
 default; Redis shares it across replicas. Redis is a helper, never a dependency of a request: when it
 fails, the index answers from its local copy, logs one warning, and uses Redis again once it answers.
-Replicas are known through Redis only: without it (or while it is down) no replica knows another, and
+The index also keeps the Responses API's stored responses (`put_response`, `get_response`,
+`delete_response`): opaque bytes per tenant and response id, the oldest dropped first past a bound, so
+a follow-up that lands on another replica finds its conversation. Replicas are known through Redis only: without it (or while it is down) no replica knows another, and
 every turn is served where it lands.
 """
 
@@ -50,6 +52,12 @@ class SessionIndex(Protocol):
     async def get(self, tenant: str, session: str) -> SessionRecord | None: ...
     async def put(self, tenant: str, session: str, record: SessionRecord) -> None: ...
     async def forget(self, tenant: str, session: str) -> None: ...
+    async def put_response(self, tenant: str, response_id: str, doc: bytes, *, keep: int) -> None:
+        """Store a response; past `keep` stored responses (all tenants together) the oldest go."""
+        ...
+
+    async def get_response(self, tenant: str, response_id: str) -> bytes | None: ...
+    async def delete_response(self, tenant: str, response_id: str) -> bool: ...
     async def announce(self, replica: str, info: ReplicaInfo, ttl_s: float) -> None: ...
     async def replica(self, replica: str) -> ReplicaInfo | None: ...
     async def withdraw(self, replica: str) -> None: ...
@@ -65,6 +73,7 @@ class MemorySessionIndex:
     def __init__(self, max_sessions: int = 100_000):
         self._records: dict[tuple[str, str], SessionRecord] = {}
         self._max = max_sessions
+        self._responses: dict[tuple[str, str], bytes] = {}  # insertion order: the oldest first
 
     async def get(self, tenant: str, session: str) -> SessionRecord | None:
         return self._records.get((tenant, session))
@@ -77,6 +86,18 @@ class MemorySessionIndex:
 
     async def forget(self, tenant: str, session: str) -> None:
         self._records.pop((tenant, session), None)
+
+    async def put_response(self, tenant: str, response_id: str, doc: bytes, *, keep: int) -> None:
+        self._responses.pop((tenant, response_id), None)
+        self._responses[(tenant, response_id)] = doc
+        while len(self._responses) > keep:
+            self._responses.pop(next(iter(self._responses)))
+
+    async def get_response(self, tenant: str, response_id: str) -> bytes | None:
+        return self._responses.get((tenant, response_id))
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        return self._responses.pop((tenant, response_id), None) is not None
 
     # One process, no other replica to know of.
     async def announce(self, replica: str, info: ReplicaInfo, ttl_s: float) -> None:
@@ -92,7 +113,7 @@ class MemorySessionIndex:
         pass
 
     def describe(self) -> dict:
-        return {"kind": "memory", "sessions": len(self._records)}
+        return {"kind": "memory", "sessions": len(self._records), "responses": len(self._responses)}
 
 
 class RedisSessionIndex:
@@ -111,6 +132,13 @@ class RedisSessionIndex:
     @staticmethod
     def _key(tenant: str, session: str) -> str:
         return f"attnstore:session:{tenant}:{session}"
+
+    @staticmethod
+    def _response_key(tenant: str, response_id: str) -> str:
+        return f"attnstore:response:{tenant}:{response_id}"
+
+    # Every stored response's key, scored by when it was stored: the bound drops the lowest scores.
+    _RESPONSES_BY_AGE = "attnstore:responses"
 
     @staticmethod
     def _replica_key(replica: str) -> str:
@@ -160,6 +188,53 @@ class RedisSessionIndex:
                 self._recovered()
             except Exception as exc:
                 self._failed(exc)
+
+    async def put_response(self, tenant: str, response_id: str, doc: bytes, *, keep: int) -> None:
+        await self._local.put_response(tenant, response_id, doc, keep=keep)
+        if not self._usable():
+            return
+        key = self._response_key(tenant, response_id)
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(key, doc, ex=_TTL_SECONDS)
+                pipe.zadd(self._RESPONSES_BY_AGE, {key: time.time()})
+                pipe.zcard(self._RESPONSES_BY_AGE)
+                *_, count = await pipe.execute()
+            if count > keep:
+                oldest = await self._redis.zpopmin(self._RESPONSES_BY_AGE, count - keep)
+                members = [entry[0] for entry in oldest if isinstance(entry, tuple | list)]
+                if members:
+                    await self._redis.delete(*members)
+            self._recovered()
+        except Exception as exc:
+            self._failed(exc)
+
+    async def get_response(self, tenant: str, response_id: str) -> bytes | None:
+        """Redis's answer whenever it gives one (a response deleted on another replica stays deleted);
+        the local copy only while Redis is down."""
+        if self._usable():
+            try:
+                raw = await self._redis.get(self._response_key(tenant, response_id))
+                self._recovered()
+                return None if raw is None else raw if isinstance(raw, bytes) else str(raw).encode()
+            except Exception as exc:
+                self._failed(exc)
+        return await self._local.get_response(tenant, response_id)
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        deleted = await self._local.delete_response(tenant, response_id)
+        if self._usable():
+            key = self._response_key(tenant, response_id)
+            try:
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    pipe.delete(key)
+                    pipe.zrem(self._RESPONSES_BY_AGE, key)
+                    removed, _ = await pipe.execute()
+                deleted = deleted or bool(removed)
+                self._recovered()
+            except Exception as exc:
+                self._failed(exc)
+        return deleted
 
     async def announce(self, replica: str, info: ReplicaInfo, ttl_s: float) -> None:
         """Say this replica is alive for the next `ttl_s` seconds (a Redis key that expires)."""

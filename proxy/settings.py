@@ -192,6 +192,9 @@ class ProxySettings(_Strict):
     upstream_first_byte_timeout_s: Annotated[float, Meta(gt=0)] = 60
     upstream_idle_timeout_s: Annotated[float, Meta(gt=0)] = 60
     models_timeout_s: Annotated[float, Meta(gt=0)] = 2
+    # Responses API: stored responses (store: true) kept for previous_response_id, all tenants together;
+    # past this many the oldest go (in the session index: memory, or Redis for every replica).
+    max_stored_responses: PositiveInt = 10_000
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from proxy.keys import LOCAL_BACKEND
+from proxy.serving import prompts
 from tests.model_fixture import MODEL
 from tests.servers import http_request
 
@@ -18,18 +19,16 @@ pytestmark = pytest.mark.model
 URL = "/v1/chat/completions"
 
 
-def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(local_proxy, fake_upstream):
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(local_proxy, fake_upstream, monkeypatch):
     server = local_proxy()  # with an upstream: big bodies may be its (images), so they are read
-    runner = server.app[LOCAL_BACKEND].runner
     calls = []
-    real = runner.render_turn if hasattr(runner, "render_turn") else runner.render
-    name = "render_turn" if hasattr(runner, "render_turn") else "render"
+    real = prompts.fit_turn
 
     def counting(*a, **kw):
         calls.append(1)
         return real(*a, **kw)
 
-    setattr(runner, name, counting)
+    monkeypatch.setattr(prompts, "fit_turn", counting)
     # 2 M characters: more than 81 characters per token (SmolLM2's longest token) times 8192 tokens.
     huge = {"model": MODEL, "messages": [{"role": "user", "content": "a" * 2_000_000}], "max_tokens": 2}
     r = http_request("POST", server.url + URL, huge, timeout=60)
@@ -42,7 +41,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(local_proxy, fake
 
 def test_without_an_upstream_an_oversized_body_is_refused_before_it_is_read(local_proxy):
     server = local_proxy()
-    runner = server.app[LOCAL_BACKEND].runner
+    runner = server.app[LOCAL_BACKEND].engine.runner
     limit = runner.context_limit(MODEL) * 64 + 64 * 1024
     huge = {"model": MODEL, "messages": [{"role": "user", "content": "a" * (limit + 1)}], "max_tokens": 2}
     r = http_request("POST", server.url + URL, huge, timeout=60)
@@ -126,7 +125,7 @@ async def test_a_client_past_its_share_gets_429_with_retry_after_while_another_w
     async with aiohttp.ClientSession() as s:
         running = await s.post(server.url + URL, json={**counting(0), "stream": True}, headers=a)
         assert running.status == 200  # A's first runs; A's next two fill the queue
-        runner = server.app[LOCAL_BACKEND].runner
+        runner = server.app[LOCAL_BACKEND].engine.runner
         queued = []
         for i in (1, 2):  # one after the other, so which is A's newest is not left to the network
             queued.append(

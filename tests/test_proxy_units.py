@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from proxy.chat_request import count_turn
 from proxy.errors import APIError
 from proxy.header_filter import outbound_headers
 from proxy.headers import CACHE, TIER_NAMES, cache_label, store_headers
+from proxy.openai.requests import count_turn
 from proxy.session import prefix_fingerprint, resolve_session
 from proxy.tenant import check_client_auth, tenant_of
 from proxy.upstream import prompt_tokens_from_sse_tail, upstream_url
@@ -171,7 +171,7 @@ def _proxy_imports() -> dict[str, set[str]]:
 
 def test_imports_in_proxy_point_one_way():
     graph = _proxy_imports()
-    assert "proxy.turn" in graph and "proxy.local.chat_backend" in graph
+    assert "proxy.turn" in graph and "proxy.local.engine" in graph and "proxy.serving.service" in graph
     # A module's imports come before it: repeatedly take the modules whose imports are all taken.
     done: set[str] = set()
     while len(done) < len(graph):

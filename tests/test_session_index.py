@@ -25,7 +25,7 @@ async def test_memory_index_is_per_tenant_and_bounded():
     assert await index.get("t1", "s") is None and await index.get("t1", "s3") is not None
     await index.forget("t1", "s3")
     assert await index.get("t1", "s3") is None
-    assert index.describe() == {"kind": "memory", "sessions": 1}
+    assert index.describe() == {"kind": "memory", "sessions": 1, "responses": 0}
 
 
 def test_open_session_index_picks_the_kind():
@@ -90,3 +90,28 @@ async def test_unreachable_redis_never_fails_a_call():
         assert index.describe() == {"kind": "redis", "connected": False}
     finally:
         await index.close()
+
+
+async def test_stored_responses_are_per_tenant_and_the_oldest_go_first():
+    index = MemorySessionIndex()
+    for i in range(3):
+        await index.put_response("t1", f"resp_{i}", f"doc {i}".encode(), keep=2)
+    assert await index.get_response("t1", "resp_0") is None  # the oldest went
+    assert await index.get_response("t1", "resp_2") == b"doc 2"
+    assert await index.get_response("t2", "resp_2") is None  # another tenant's id is not found
+    assert await index.delete_response("t1", "resp_2") and not await index.delete_response("t1", "resp_2")
+
+
+async def test_replicas_share_stored_responses_through_redis_bounded(redis_server):
+    a, b = RedisSessionIndex(redis_server.url), RedisSessionIndex(redis_server.url)
+    try:
+        for i in range(3):
+            await a.put_response("t1", f"resp_{i}", f"doc {i}".encode(), keep=2)
+        assert await b.get_response("t1", "resp_1") == b"doc 1"  # the other replica finds it
+        assert await b.get_response("t1", "resp_0") is None  # bounded across replicas, oldest first
+        assert await b.get_response("t2", "resp_1") is None
+        assert await b.delete_response("t1", "resp_1")
+        assert await a.get_response("t1", "resp_1") is None  # deleted on b: gone for a too
+    finally:
+        await a.close()
+        await b.close()

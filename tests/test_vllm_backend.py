@@ -26,7 +26,8 @@ from kvtier.vllm_link.wire import AsyncStoreClient, StoreClient, StoreSocketServ
 from local_runner.loader import ThreadTokenizers
 from local_runner.prompt import render_prompt
 from proxy.app import build_app
-from proxy.local_vllm.backend import ServedModel, VllmChatBackend
+from proxy.local_vllm.turns import ServedModel, VllmEngine
+from proxy.serving.service import LocalServing
 from proxy.session_index import MemorySessionIndex, SessionRecord
 from proxy.upstream import upstream_fallback
 from tests.servers import http_request
@@ -109,7 +110,7 @@ def stack(tmp_path: Path, start_app, make_settings, fake_upstream) -> Iterator[A
     )
     index = MemorySessionIndex()
 
-    def backend() -> VllmChatBackend:
+    def backend() -> LocalServing:
         served = ServedModel(
             MODEL,
             FakeServer(fake_url, socket),
@@ -118,17 +119,15 @@ def stack(tmp_path: Path, start_app, make_settings, fake_upstream) -> Iterator[A
             "float32",
             AsyncStoreClient(socket),
         )  # type: ignore[arg-type]
-        return VllmChatBackend(
-            {MODEL: served},
+        return LocalServing(
+            VllmEngine({MODEL: served}, max_running=1, max_queue=1),
             index,
             replica="r1",
             reuse=True,
             default_max_tokens=16,
-            max_running=1,
-            max_queue=1,
             truncate_on_overflow=True,
             overflow=upstream_fallback,
-            overflow_model=lambda model: model == MODEL,
+            upstream_model=MODEL,
         )
 
     proxy = start_app(build_app(settings, local=backend, index=index))
@@ -246,3 +245,30 @@ def test_keys_another_replica_stored_for_the_session_go_to_vllm_as_hints(stack):
     assert fake.bodies[-1]["kv_transfer_params"]["attnstore"]["hints"] == ["k1", "k2"]
     assert chat(url, TURN_1, session="moved").status == 200  # now recorded here: nothing to adopt
     assert fake.bodies[-1]["kv_transfer_params"]["attnstore"]["hints"] == []
+
+
+def test_completions_and_responses_run_on_the_vllm_engine_through_the_same_serving_layer(stack):
+    """Issue 26: the Completions and Responses APIs are written once above the engines; on vLLM a
+    completion's ids go as they are, and a Responses follow-up reuses its stored conversation's KV."""
+    url, fake, *_ = stack
+    prompt = "Hi there, how are you doing today"
+    done = http_request("POST", url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 3})
+    assert done.status == 200 and done.json()["choices"][0]["text"] == "".join(ANSWER)
+    assert fake.bodies[-1]["prompt"] == tiny_tokenizer().encode(prompt)
+    longer = prompt + "".join(ANSWER) + " and more"
+    again = http_request("POST", url + "/v1/completions", {"model": MODEL, "prompt": longer, "max_tokens": 3})
+    assert again.headers["x-attentionstore-cache"] == "l1_hit"
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    first = http_request("POST", url + "/v1/responses", {"model": MODEL, "input": "Hi there, how are you"})
+    body = first.json()
+    assert first.status == 200 and body["object"] == "response" and body["status"] == "incomplete"
+    assert body["output"][0]["content"][0]["text"] == "".join(ANSWER)
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}  # the fake's finish: "length"
+    follow = {"model": MODEL, "input": "Fine", "previous_response_id": body["id"], "stream": True}
+    second = http_request("POST", url + "/v1/responses", follow)
+    assert second.headers["x-attentionstore-cache"] == "l1_hit"
+    assert fake.bodies[-1]["prompt"] == render_prompt(tiny_tokenizer(), TURN_2)
+    events = [orjson.loads(line[6:]) for line in second.body.split(b"\n") if line.startswith(b"data: ")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["usage"]["input_tokens_details"]["cached_tokens"] > 0

@@ -1,5 +1,5 @@
-"""Local serving: the chat backend that runs turns on the local runner (`proxy.backend.LocalBackend`), its
-admission, the options it serves, and the builder that assembles models, KV stores, runner and backend
+"""The embedded engine's side of local serving: the adapter that runs turns on `local_runner`
+(`engine.EmbeddedEngine`) and the builder that assembles models, KV stores, runner and the serving layer
 from settings.
 
 Imported only when `local_runner.enabled` (it pulls in torch and transformers)."""

@@ -1,4 +1,5 @@
-"""Build the local serving stack from settings: models, one KV store per model, the runner, the backend.
+"""Build the local serving stack from settings: models, one KV store per model, the runner, and the
+serving layer above it.
 
 Model loading is slow the first time (GGUF de-quantization), so it happens before the server listens;
 tests load the model once and pass it in through `models`.
@@ -14,10 +15,10 @@ from local_runner.compiled import use_cache_dir
 from local_runner.loader import LoadedModel, load_model
 from local_runner.runner import Runner
 
+from ..serving.service import LocalServing, UpstreamFallback
 from ..session_index import SessionIndex
-from ..settings import Settings, replica_id, resolve_path
-from .admission import LocalAdmission, UpstreamFallback
-from .chat_backend import LocalChatBackend
+from ..settings import Settings, resolve_path
+from .engine import EmbeddedEngine
 
 MB = 1024 * 1024
 
@@ -77,8 +78,8 @@ def build_local_backend(
     *,
     overflow: UpstreamFallback | None = None,
     base_dir: Path | None = None,
-) -> LocalChatBackend:
-    """The stores, the runner (its worker starts here) and the backend; `close()` on it stops them all."""
+) -> LocalServing:
+    """The stores, the runner (its worker starts here) and the serving layer; `close()` stops them all."""
     lr = settings.local_runner
     if lr.compile:
         use_cache_dir(resolve_path(lr.cache_dir, base_dir or Path.cwd()) / "compiled")
@@ -102,19 +103,4 @@ def build_local_backend(
         truncate_on_overflow=settings.attention_store.position_encoding.truncate_on_overflow,
         decouple=settings.attention_store.position_encoding.decouple,
     )
-    upstream = settings.llm_endpoint
-    admission = LocalAdmission(
-        runner,
-        overflow=overflow,
-        overflow_model=lambda model: bool(upstream.base_url) and upstream.model == model,
-    )
-    return LocalChatBackend(
-        runner,
-        index,
-        admission,
-        replica=replica_id(settings),
-        reuse=settings.attention_store.enabled,
-        default_max_tokens=lr.max_tokens_default,
-        tokenize_threads=settings.proxy.tokenize_threads,
-        truncate_on_overflow=settings.attention_store.position_encoding.truncate_on_overflow,
-    )
+    return LocalServing.from_settings(EmbeddedEngine(runner), settings, index, overflow=overflow)

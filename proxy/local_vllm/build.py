@@ -28,12 +28,12 @@ from local_runner.loader import (
 )
 
 from ..backend import LocalBackend
-from ..local.admission import UpstreamFallback
+from ..serving.service import LocalServing, UpstreamFallback
 from ..session_index import SessionIndex
 from ..settings import Settings, replica_id, resolve_path
-from .backend import ServedModel, VllmChatBackend
 from .engine import VllmServer, check_vllm_python, free_port
 from .launch import model_context, vllm_dtype, vllm_launch
+from .turns import ServedModel, VllmEngine
 
 log = logging.getLogger("attnstore")
 
@@ -110,23 +110,14 @@ def start_vllm_backend(
             dtype=vllm_dtype(lr.dtype, lr.device, cpu_flags()),
             store=AsyncStoreClient(server.launch.socket_path) if server.launch.socket_path else None,
         )
-    upstream = settings.llm_endpoint
 
     def build() -> LocalBackend:
-        backend = VllmChatBackend(
+        engine = VllmEngine(
             models,
-            index,
-            replica=replica_id(settings),
-            reuse=settings.attention_store.enabled,
-            default_max_tokens=lr.max_tokens_default,
             max_running=lr.max_running,
             max_queue=lr.max_queue,
-            truncate_on_overflow=settings.attention_store.position_encoding.truncate_on_overflow,
-            tokenize_threads=settings.proxy.tokenize_threads,
-            overflow=overflow,
-            overflow_model=lambda model: bool(upstream.base_url) and upstream.model == model,
             timeout_s=settings.proxy.upstream_timeout_s,
         )
-        return backend
+        return LocalServing.from_settings(engine, settings, index, overflow=overflow)
 
     return build

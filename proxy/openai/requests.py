@@ -1,0 +1,244 @@
+"""Parse and validate the bodies of the three turn endpoints (orjson): Chat Completions, (legacy)
+Completions and Responses. Bad input is a 400 naming the param, wherever the request would go.
+
+Each request keeps `body` (the dict forwarded or served, the proxy's own fields removed) and `raw` (the
+original bytes, forwarded untouched while `body_modified` is False), so an upstream turn sends exactly
+what the client sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from ..errors import bad_request
+
+
+@dataclass(slots=True)
+class ApiRequest:
+    body: dict[str, Any]
+    raw: bytes
+    model: str
+    stream: bool
+    include_usage: bool
+    turn: int  # the log line's turn: user messages before the last one (0 for a completion)
+    body_modified: bool = False
+
+    def upstream_bytes(self) -> bytes:
+        return orjson.dumps(self.body) if self.body_modified else self.raw
+
+
+@dataclass(slots=True)
+class ChatRequest(ApiRequest):
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CompletionRequest(ApiRequest):
+    # The one prompt served locally (text or token ids); None for a shape only an upstream serves (a
+    # batch of several prompts).
+    prompt: str | list[int] | None = None
+
+
+@dataclass(slots=True)
+class ResponsesRequest(ApiRequest):
+    # The new input as chat messages; None when an item is of a kind only an upstream serves (function
+    # calls, images, item references): `unserved` says which.
+    input_messages: list[dict[str, Any]] | None = None
+    unserved: str | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    # Resolved by the route: the conversation (the previous response's, then the new input) and the
+    # prompt's messages (the instructions first: they are not carried over from a previous response).
+    conversation: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    def continue_from(self, history: list[dict[str, Any]]) -> None:
+        """Resolve the conversation: `history` (a stored response's, or none), then the new input."""
+        assert self.input_messages is not None
+        self.conversation = [*history, *self.input_messages]
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        self.messages = [*system, *self.conversation]
+        self.turn = count_turn(self.messages)
+
+
+def count_turn(messages: list[dict[str, Any]]) -> int:
+    """Turn index from 0: the number of user messages before the last one."""
+    users = sum(1 for m in messages if m.get("role") == "user")
+    return max(0, users - 1)
+
+
+def _load_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object.")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a non-empty string.", param="model")
+    return body
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage), validated."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean.", param="stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object.", param="stream_options")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise bad_request("'n' must be a positive integer.", param="n")
+    return bool(stream), bool(options and options.get("include_usage") is True)
+
+
+def parse_chat(raw: bytes) -> ChatRequest:
+    body = _load_object(raw)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' is required and must be a non-empty array.", param="messages")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string 'role'.", param="messages")
+        content = msg.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise bad_request(f"messages[{i}].content must be a string or an array.", param="messages")
+    stream, include_usage = _stream_flags(body)
+    return ChatRequest(
+        body=body,
+        raw=raw,
+        model=body["model"],
+        stream=stream,
+        include_usage=include_usage,
+        turn=count_turn(messages),
+        messages=messages,
+    )
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _one_prompt(prompt: object) -> str | list[int] | None:
+    """The single prompt a batch-of-one or a plain prompt holds; None for a batch of several."""
+    if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
+        return prompt  # type: ignore[return-value]
+    if (
+        isinstance(prompt, list)
+        and len(prompt) == 1
+        and (isinstance(prompt[0], str) or _is_token_ids(prompt[0]))
+    ):
+        return prompt[0]
+    return None
+
+
+def parse_completion(raw: bytes) -> CompletionRequest:
+    body = _load_object(raw)
+    prompt = body.get("prompt")
+    valid = (
+        isinstance(prompt, str)
+        or _is_token_ids(prompt)
+        or (isinstance(prompt, list) and all(isinstance(p, str) or _is_token_ids(p) for p in prompt))
+    )
+    if prompt is None or not valid or prompt == []:
+        raise bad_request(
+            "'prompt' is required: a string, an array of strings, an array of token ids, or an array of "
+            "token-id arrays.",
+            param="prompt",
+        )
+    stream, include_usage = _stream_flags(body)
+    return CompletionRequest(
+        body=body,
+        raw=raw,
+        model=body["model"],
+        stream=stream,
+        include_usage=include_usage,
+        turn=0,
+        prompt=_one_prompt(prompt),
+    )
+
+
+# Responses input roles -> chat roles; item content part types that carry text.
+_INPUT_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _item_message(item: object, where: str) -> dict[str, Any] | str:
+    """A Responses input item as a chat message, or why it is not served locally (a string)."""
+    if isinstance(item, str):
+        return {"role": "user", "content": item}
+    if not isinstance(item, dict):
+        raise bad_request(f"{where} must be an object or a string.", param="input")
+    kind = item.get("type", "message")
+    if kind != "message":
+        return f"{where}: input items of type {kind!r} are not served locally"
+    role = item.get("role")
+    if role not in _INPUT_ROLES:
+        raise bad_request(f"{where}.role must be one of {', '.join(_INPUT_ROLES)}.", param="input")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or an array of content parts.", param="input")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise bad_request(f"{where}.content[{j}] must be an object with a 'type'.", param="input")
+        if part["type"] not in _TEXT_PARTS:
+            return f"{where}.content[{j}]: {part['type']!r} parts are not served locally"
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}.content[{j}].text must be a string.", param="input")
+        texts.append(part["text"])
+    return {"role": role, "content": "".join(texts)}
+
+
+def parse_responses(raw: bytes) -> ResponsesRequest:
+    body = _load_object(raw)
+    given = body.get("input")
+    if isinstance(given, str):
+        items: list[Any] = [given]
+    elif isinstance(given, list) and given:
+        items = given
+    else:
+        raise bad_request("'input' is required: a string or a non-empty array of input items.", param="input")
+    messages: list[dict[str, Any]] | None = []
+    unserved = None
+    for i, item in enumerate(items):
+        message = _item_message(item, f"input[{i}]")
+        if isinstance(message, str):
+            messages, unserved = None, unserved or message
+        elif messages is not None:
+            messages.append(message)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("'instructions' must be a string.", param="instructions")
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise bad_request("'previous_response_id' must be a non-empty string.", param="previous_response_id")
+    store = body.get("store", True)
+    if store is None:
+        store = True
+    if not isinstance(store, bool):
+        raise bad_request("'store' must be a boolean.", param="store")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean.", param="stream")
+    return ResponsesRequest(
+        body=body,
+        raw=raw,
+        model=body["model"],
+        stream=bool(stream),
+        include_usage=True,  # a Responses stream always ends with the usage (response.completed)
+        turn=0,
+        input_messages=messages,
+        unserved=unserved,
+        instructions=instructions,
+        previous_response_id=previous,
+        store=store,
+    )

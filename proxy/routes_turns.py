@@ -1,0 +1,144 @@
+"""The turn endpoints: POST /v1/chat/completions, /v1/completions and /v1/responses (with GET and
+DELETE /v1/responses/{id}). Each parses its body, resolves tenant and session, and routes the turn:
+served locally (the serving layer, either engine) or upstream.
+
+The request's `Turn` (opened by the middleware) learns who is asking and where the turn goes; whoever
+serves it reports the rest to it, and an error raised anywhere is answered and finished by the middleware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .errors import APIError
+from .forwarding import FORWARDER
+from .keys import LOCAL_BACKEND, SESSION_INDEX, SETTINGS
+from .limits import read_body, refuse_oversized_local_body
+from .openai.requests import ApiRequest, CompletionRequest, parse_chat, parse_completion, parse_responses
+from .openai.responses import new_response_id
+from .routing import choose_route
+from .serving.response_store import ResponseStore
+from .session import resolve_session
+from .tenant import tenant_of
+from .turn import TURN
+from .upstream import forward_chat, forward_upstream
+
+
+async def _read(request: web.Request) -> bytes:
+    settings = request.app[SETTINGS]
+    backend = request.app[LOCAL_BACKEND]
+    if backend is not None and not settings.llm_endpoint.base_url:
+        # Local models only: a body larger than any of their contexts is refused before it is read.
+        refuse_oversized_local_body(request, backend.max_context_tokens())
+    return await read_body(request, settings.proxy.body_read_timeout_s)
+
+
+async def _route(request: web.Request, req: ApiRequest, *, forwardable: bool = True) -> web.StreamResponse:
+    """Serve the identified turn locally (on the replica holding its KV, when that is another one) or
+    upstream, or refuse it with the reason."""
+    turn = request[TURN]
+    backend = request.app[LOCAL_BACKEND]
+    route = choose_route(request.app[SETTINGS], req, backend)
+    if route.kind == "local" and backend is not None:
+        turn.serve_locally()
+        forwarder = request.app.get(FORWARDER)
+        if forwardable and forwarder is not None:  # another replica holds this session's KV in memory
+            forwarded = await forwarder.try_forward(request, req, turn)
+            if forwarded is not None:
+                return forwarded
+        return await backend.handle(request, req, turn)
+    if route.kind == "upstream":
+        return await forward_chat(request, req, turn)
+    raise APIError(400, f"Cannot serve this request: {route.reason}.", param="model")
+
+
+def _session(request: web.Request, req: ApiRequest, fingerprint: Callable[[], str] | None = None) -> str:
+    """The session field (removed from the body: it never goes upstream) or header, else the
+    fingerprint of the conversation's prefix."""
+    key = request.app[SETTINGS].attention_store.session_key
+    req.body_modified = key in req.body
+    return resolve_session(req.body, request.headers, key, fingerprint)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    chat = parse_chat(await _read(request))
+    request[TURN].identify(session=_session(request, chat), tenant=tenant_of(request.headers), turn=chat.turn)
+    return await _route(request, chat)
+
+
+def completion_fingerprint(model: str, req: CompletionRequest) -> str:
+    """A completion's session without an id: the model and the start of its prompt (its first 32
+    characters or 8 token ids), the same for every completion that extends an earlier one. Reuse
+    does not depend on it (it matches token ids); the session names the KV for stats and forgetting."""
+    start = req.prompt[:32] if isinstance(req.prompt, str) else (req.prompt or [])[:8]
+    blob = orjson.dumps([model, start])
+    return "fp-" + hashlib.sha256(blob).hexdigest()[:16]
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    req = parse_completion(await _read(request))
+    session = _session(request, req, lambda: completion_fingerprint(req.model, req))
+    request[TURN].identify(session=session, tenant=tenant_of(request.headers), turn=0)
+    return await _route(request, req)
+
+
+def _responses(request: web.Request) -> ResponseStore:
+    return ResponseStore(request.app[SESSION_INDEX], request.app[SETTINGS].proxy.max_stored_responses)
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(
+        404, f"No response with id '{response_id}' found.", param="response_id", code="response_not_found"
+    )
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    """A Responses turn. Served locally, it is a session named by its new id: `previous_response_id`
+    continues a stored response's conversation (this tenant's only), whose KV the turn reuses."""
+    req = parse_responses(await _read(request))
+    tenant = tenant_of(request.headers)
+    _session(request, req)  # the session field never goes upstream; the response's id is the session
+    backend = request.app[LOCAL_BACKEND]
+    if choose_route(request.app[SETTINGS], req, backend).kind == "local":
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            previous = await _responses(request).get(tenant, req.previous_response_id)
+            if previous is None:
+                raise _not_found(req.previous_response_id)
+            history = previous.conversation
+        req.continue_from(history)
+    request[TURN].identify(session=new_response_id(), tenant=tenant, turn=req.turn)
+    return await _route(request, req, forwardable=False)
+
+
+async def get_response(request: web.Request) -> web.StreamResponse:
+    """A stored response (this tenant's); one the upstream made is the upstream's to answer."""
+    response_id = request.match_info["response_id"]
+    stored = await _responses(request).get(tenant_of(request.headers), response_id)
+    if stored is not None:
+        return web.Response(body=orjson.dumps(stored.response), content_type="application/json")
+    if request.app[SETTINGS].llm_endpoint.base_url:
+        return await forward_upstream(request, body=None, turn=None)
+    raise _not_found(response_id)
+
+
+async def delete_response(request: web.Request) -> web.StreamResponse:
+    """Forget a stored response and its conversation's KV (what its turn stored, in every tier)."""
+    response_id = request.match_info["response_id"]
+    tenant = tenant_of(request.headers)
+    if not await _responses(request).delete(tenant, response_id):
+        if request.app[SETTINGS].llm_endpoint.base_url:
+            return await forward_upstream(request, body=None, turn=None)
+        raise _not_found(response_id)
+    backend = request.app[LOCAL_BACKEND]
+    if backend is not None:
+        await asyncio.to_thread(backend.forget_session, tenant, response_id)
+    await request.app[SESSION_INDEX].forget(tenant, response_id)
+    body = {"id": response_id, "object": "response", "deleted": True}
+    return web.Response(body=orjson.dumps(body), content_type="application/json")

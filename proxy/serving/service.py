@@ -1,0 +1,260 @@
+"""`LocalServing`: the proxy's one `LocalBackend`, above whichever engine runs the turns.
+
+A local turn, for every API and every engine:
+
+1. sampling options validated (`options.py`), the prompt rendered to token ids (`prompts.py`: the chat
+   template with truncation, or a completion's text or ids);
+2. the session's record looked up (another replica's chunk keys are hints for the shared L2; a
+   truncated turn's previous keys let its stored KV move);
+3. the engine runs it (`engine.Engine.run`); at its first step a full queue sends a miss upstream when
+   the upstream serves the model (cost-aware routing), else 503; past a client's share, 429;
+4. at the first token the `Turn` learns what was reused (its X-AttentionStore-* headers go out with
+   the answer), and the answer is written in the API's shape (`answers.py`);
+5. before the client sees the end: the log line and metrics (`Turn.finish`), the session indexed with
+   the chunk keys the turn saved, and for the Responses API the response stored by its id.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeGuard
+
+from aiohttp import web
+
+from kvtier.tier_names import TIERS, Tier
+from local_runner.jobs import Failed, Finished, FirstToken, GenerationRequest
+
+from ..errors import APIError
+from ..headers import CacheLevel
+from ..openai import responses as responses_wire
+from ..openai.requests import ApiRequest, ChatRequest, CompletionRequest, ResponsesRequest
+from ..session_index import SessionIndex, SessionRecord
+from ..settings import Settings, replica_id
+from ..tenant import ANONYMOUS, tenant_of
+from ..turn import Turn
+from .answers import AnswerFormat, ChatFormat, CompletionFormat, ResponsesFormat, write_answer
+from .engine import Engine, OverShare, QueueFull
+from .options import sampling_params, unsupported_reason
+from .prompts import PromptBuilder, RenderedPrompt
+from .response_store import ResponseStore, StoredResponse
+
+if TYPE_CHECKING:
+    from local_runner.runner import RunnerStats
+
+# Where a turn goes when the local queue is full (`upstream.upstream_fallback`): its answer, or an APIError.
+UpstreamFallback = Callable[[web.Request, ApiRequest, Turn], Awaitable[web.StreamResponse]]
+
+
+def client_id(request: web.Request) -> str:
+    """The tenant (a hash of the key), or the remote address for a caller without a key: admission is
+    fair per client."""
+    tenant = tenant_of(request.headers)
+    return tenant if tenant != ANONYMOUS else f"addr:{request.remote or '?'}"
+
+
+def too_many(message: str, retry_after_s: float | None) -> APIError:
+    """429 past a client's fair share of the local queue, with when to retry."""
+    seconds = max(1, math.ceil(retry_after_s or 1))
+    return APIError(429, message, code="too_many_requests", headers={"Retry-After": str(seconds)})
+
+
+def refused(failed: Failed) -> APIError:
+    """A turn that ended before its first token: the error the client gets."""
+    if failed.status == 429:
+        return too_many(failed.message, failed.retry_after_s)
+    return APIError(failed.status, failed.message, code=failed.code, type_="server_error")
+
+
+def _is_tier(name: str) -> TypeGuard[Tier]:
+    return name in TIERS
+
+
+def cache_level(tier: str | None, reused: int) -> CacheLevel:
+    """The slowest tier the turn reused KV from, or "miss" when it reused nothing."""
+    if not (tier and reused):
+        return "miss"
+    if not _is_tier(tier):
+        raise ValueError(f"the engine reported an unknown tier {tier!r}")
+    return tier
+
+
+class LocalServing:
+    def __init__(
+        self,
+        engine: Engine,
+        index: SessionIndex,
+        *,
+        replica: str,
+        reuse: bool,
+        default_max_tokens: int,
+        truncate_on_overflow: bool,
+        tokenize_threads: int = 2,
+        overflow: UpstreamFallback | None = None,
+        upstream_model: str = "",
+        max_stored_responses: int = 10_000,
+    ) -> None:
+        self.engine = engine
+        self.index = index
+        self.replica = replica
+        self.reuse = reuse
+        self.default_max_tokens = default_max_tokens
+        self.prompts = PromptBuilder(engine, truncate=truncate_on_overflow, threads=tokenize_threads)
+        self.overflow = overflow  # None: a full queue is a 503
+        self.upstream_model = upstream_model  # the model the upstream serves too ("": none)
+        self.responses = ResponseStore(index, max_stored_responses)
+
+    @classmethod
+    def from_settings(
+        cls, engine: Engine, settings: Settings, index: SessionIndex, *, overflow: UpstreamFallback | None
+    ) -> LocalServing:
+        """The serving layer above `engine`, configured from settings: the same for every engine."""
+        upstream = settings.llm_endpoint
+        return cls(
+            engine,
+            index,
+            replica=replica_id(settings),
+            reuse=settings.attention_store.enabled,
+            default_max_tokens=settings.local_runner.max_tokens_default,
+            truncate_on_overflow=settings.attention_store.position_encoding.truncate_on_overflow,
+            tokenize_threads=settings.proxy.tokenize_threads,
+            overflow=overflow,
+            upstream_model=upstream.model if upstream.base_url else "",
+            max_stored_responses=settings.proxy.max_stored_responses,
+        )
+
+    # -- the seam's questions ------------------------------------------------------------------------
+
+    def supports(self, req: ApiRequest) -> str | None:
+        if not self.engine.serves(req.model):
+            return f"model {req.model!r} is not served locally"
+        return unsupported_reason(req)
+
+    def load(self) -> int:
+        return self.engine.load()
+
+    def max_context_tokens(self) -> int:
+        return self.engine.max_context_tokens()
+
+    def describe(self) -> dict[str, Any]:
+        return self.engine.describe()
+
+    def stats(self) -> RunnerStats:
+        return self.engine.stats()
+
+    def forget_session(self, tenant: str, session: str) -> int:
+        return self.engine.forget_session(tenant, session)
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+
+    def close(self) -> None:
+        """The engine stops (its pending L2 writes finish, so a restart finds every chunk); tokenizing
+        still queued is dropped."""
+        self.engine.close()
+        self.prompts.close()
+
+    # -- one turn --------------------------------------------------------------------------------------
+
+    async def _render(self, req: ApiRequest, reserve: int) -> RenderedPrompt:
+        if isinstance(req, CompletionRequest):
+            assert req.prompt is not None  # supports() sent a batch of prompts elsewhere
+            return await self.prompts.text(req.model, req.prompt, reserve)
+        if isinstance(req, ChatRequest | ResponsesRequest):
+            return await self.prompts.chat(req.model, req.messages, reserve)
+        raise TypeError(f"no local serving for {type(req).__name__}")
+
+    def _may_overflow(self, req: ApiRequest) -> bool:
+        """Whether a miss at a full queue may go upstream instead. Never a Responses turn: its id (and
+        the conversation stored by it) would then be the upstream's, unknown to its next turn here."""
+        return (
+            self.overflow is not None
+            and bool(self.upstream_model)
+            and self.upstream_model == req.model
+            and not isinstance(req, ResponsesRequest)
+        )
+
+    async def handle(self, request: web.Request, req: ApiRequest, turn: Turn) -> web.StreamResponse:
+        sampling = sampling_params(req, self.default_max_tokens)
+        rendered = await self._render(req, sampling.max_tokens)
+        # A Responses turn continues the conversation its previous response holds.
+        named = req.previous_response_id if isinstance(req, ResponsesRequest) else None
+        record = await self.index.get(turn.tenant, named or turn.session) if self.reuse else None
+        gen = GenerationRequest(
+            model=req.model,
+            prompt_ids=rendered.ids,
+            sampling=sampling,
+            namespace=turn.tenant,
+            session=turn.session,
+            hint_keys=tuple(record.chunk_keys) if record and record.replica != self.replica else (),
+            # A truncated turn may move the kept turns' KV out of the session's previous sequence.
+            previous_keys=tuple(record.chunk_keys) if record and rendered.dropped_messages else (),
+            reuse=self.reuse,
+            client=client_id(request),
+        )
+        may_overflow = self._may_overflow(req)
+        events = self.engine.run(gen, may_overflow=may_overflow)
+        try:
+            try:
+                first = await anext(events)
+            except QueueFull as exc:
+                if may_overflow and self.overflow is not None:
+                    return await self.overflow(request, req, turn)
+                raise APIError(503, f"{exc}; retry later", code="queue_full") from None
+            except OverShare as exc:
+                raise too_many(str(exc), exc.retry_after_s) from None
+            if isinstance(first, Failed):
+                raise refused(first)
+            assert isinstance(first, FirstToken)
+            turn.local_first_token(
+                cache=cache_level(first.tier, first.reused_tokens),
+                reused=first.reused_tokens,
+                prompt=len(rendered.ids),
+                tiers=first.tiers,
+                position_shift=first.position_shift,
+                at=first.at,
+            )
+            answer = self._answer_format(req, turn)
+
+            async def on_finish(done: Finished, text: str) -> None:
+                await self._finish(req, turn, answer, done, text)
+
+            return await write_answer(request, answer, turn.headers(), events, on_finish)
+        finally:
+            await events.aclose()  # a turn left before its end (client gone, error) is cancelled
+
+    def _answer_format(self, req: ApiRequest, turn: Turn) -> AnswerFormat:
+        fingerprint = f"fp_attnstore_{self.engine.fingerprint(req.model)}"
+        if isinstance(req, ResponsesRequest):
+            shape = responses_wire.ResponseShape(
+                id=turn.session,
+                model=req.model,
+                request=req.body,
+                instructions=req.instructions,
+                previous_response_id=req.previous_response_id,
+                store=req.store,
+            )
+            return ResponsesFormat(shape, stream=req.stream)
+        kind = CompletionFormat if isinstance(req, CompletionRequest) else ChatFormat
+        return kind(req.model, fingerprint, stream=req.stream, include_usage=req.include_usage)
+
+    async def _finish(
+        self, req: ApiRequest, turn: Turn, answer: AnswerFormat, done: Finished, text: str
+    ) -> None:
+        """The turn is complete: its log line and metrics, the session indexed for its next turn, and a
+        Responses turn's response stored by its id (before the client sees the end)."""
+        turn.finish(prompt=done.prompt_tokens, reused=done.reused_tokens)
+        if self.reuse and done.chunk_keys:
+            record = SessionRecord(
+                replica=self.replica,
+                tier=self.engine.record_tier,
+                chunk_keys=done.chunk_keys,
+                tokens=done.prompt_tokens + done.completion_tokens,
+            )
+            await self.index.put(turn.tenant, turn.session, record)
+        if isinstance(req, ResponsesRequest) and req.store:
+            conversation = [*req.conversation, {"role": "assistant", "content": text}]
+            stored = StoredResponse(
+                model=req.model, conversation=conversation, response=answer.body(done, text)
+            )
+            await self.responses.put(turn.tenant, turn.session, stored)
