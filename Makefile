@@ -92,10 +92,11 @@ $(VLLM_VENV)/.installed:
 
 vllm: $(VLLM_VENV)/.installed
 
-# The tests of the vLLM engine alone (a few minutes: each starts vLLM); `make test` runs them too once
-# .venv-vllm exists, and skips them, saying why, where it does not.
+# The tests of the vLLM engine alone (a few minutes: each starts vLLM) and of the real CPU kernels'
+# layouts; `make test` runs them too once .venv-vllm exists, and skips them, saying why, where it does
+# not. The path is absolute: the servers the tests start run in temporary folders.
 test-vllm: install-dev vllm
-	ATTNSTORE_TEST_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q tests/test_vllm_engine.py $(PYTEST_ARGS)
+	ATTNSTORE_TEST_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q tests/test_vllm_engine.py tests/test_vllm_layouts.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache

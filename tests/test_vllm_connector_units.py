@@ -1,6 +1,7 @@
-"""The vLLM connector's parts without vLLM or a model: the arithmetic (plan.py), the paged layouts
-(pages.py), the options, and the whole data path of a turn through the real store, its socket, the
-scheduler side and the worker side, with paged caches laid out as vLLM's backends lay them out.
+"""The vLLM connector's parts without vLLM or a model: the arithmetic (plan.py), the options, and the
+whole data path of a turn through the real store, its socket, the scheduler side and the worker side,
+with paged caches laid out as CPU_ATTN lays them out on AVX-512 (the layouts themselves:
+test_vllm_layouts.py).
 
 Restored KV must land in the right slots of other blocks bit for bit, a corrupt L2 chunk must end as
 blocks vLLM recomputes (never as KV served), and a forgotten session must be gone from the store."""
@@ -17,8 +18,9 @@ import torch
 
 from kvtier import KVLayout, KVStore, StoreConfig
 from kvtier.chunk_folder import chunk_path
+from kvtier.vllm_link.discover import find_page_map
 from kvtier.vllm_link.options import ConnectorOptions, model_fingerprint
-from kvtier.vllm_link.pages import PagedLayer, find_cpu_key_layout
+from kvtier.vllm_link.pages import PagedLayer, PageGeometry
 from kvtier.vllm_link.plan import (
     DEFAULT_NAMESPACE,
     StoredChunk,
@@ -37,6 +39,7 @@ from kvtier.vllm_link.scheduler import SchedulerSide
 from kvtier.vllm_link.service import StoreService
 from kvtier.vllm_link.wire import StoreClient, StoreError, StoreSocketServer
 from kvtier.vllm_link.worker import WorkerSide
+from tests.support.paged_kernels import cpu_keys_by_dim
 
 LAYERS, HEADS, DIM, BLOCK, CHUNK, BLOCKS = 3, 2, 4, 4, 8, 32
 
@@ -129,49 +132,6 @@ def test_the_connector_module_imports_without_vllm():
             module.AttnStoreConnector(None, None)
 
 
-# ---- paged layouts ------------------------------------------------------------------------------------
-
-
-def _write_transposed(key, value, cache, slots) -> None:
-    """What vLLM's CPU kernel does on x86 vector ISAs: keys [head_dim, block_size], values [block_size, head_dim]."""
-    b, h, bs, d2 = cache.shape
-    areas = cache.view(b, h, 2, bs * (d2 // 2))
-    k_area = areas[:, :, 0].view(b, h, d2 // 2, bs)
-    v_area = areas[:, :, 1].view(b, h, bs, d2 // 2)
-    for i, slot in enumerate(slots.tolist()):
-        k_area[slot // bs, :, :, slot % bs] = key[i]
-        v_area[slot // bs, :, slot % bs] = value[i]
-
-
-def test_the_cpu_key_layout_is_found_by_writing_through_the_kernel():
-    assert find_cpu_key_layout(_write_transposed, HEADS, BLOCK, DIM, torch.float32) is True
-
-    def garbage(key, value, cache, slots):
-        cache.normal_()
-
-    with pytest.raises(ValueError, match="layout"):
-        find_cpu_key_layout(garbage, HEADS, BLOCK, DIM, torch.float32)
-
-
-@pytest.mark.parametrize(
-    ("backend", "transposed"), [("CPU_ATTN", True), ("CPU_ATTN", False), ("FLASH_ATTN", False)]
-)
-def test_scatter_then_gather_round_trips_through_other_blocks(backend, transposed):
-    cache = torch.zeros(8, HEADS, BLOCK, 2 * DIM)
-    layer = PagedLayer(cache, backend, HEADS, DIM, keys_transposed=transposed)
-    k, v = torch.randn(HEADS, 10, DIM), torch.randn(HEADS, 10, DIM)
-    slots = layer.slots(*block_slots(1, 11, [5, 2, 7], BLOCK))
-    layer.scatter(slots, k, v)
-    got_k, got_v = layer.gather(slots)
-    assert torch.equal(got_k, k) and torch.equal(got_v, v)
-    assert cache[[0, 1, 3, 4, 6]].abs().sum() == 0  # nothing outside the three blocks
-
-
-def test_an_unknown_backend_is_refused_by_name():
-    with pytest.raises(ValueError, match="FLASHINFER"):
-        PagedLayer(torch.zeros(2, HEADS, BLOCK, 2 * DIM), "FLASHINFER", HEADS, DIM)
-
-
 # ---- a turn's data path: scheduler -> store socket -> worker -> pages ------------------------------------
 
 
@@ -201,7 +161,9 @@ def _engine(tmp_path: Path, l1_bytes: int, l2: Path | None = None) -> Iterator[E
     server = StoreSocketServer(tmp_path / "store.sock", service.handlers())
     client = StoreClient(tmp_path / "store.sock")
     caches = [torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
-    pages = [PagedLayer(c, "CPU_ATTN", HEADS, DIM, keys_transposed=True) for c in caches]
+    # Laid out as CPU_ATTN on AVX-512 lays them out, the map found through that kernel as at start.
+    page_map = find_page_map(cpu_keys_by_dim, caches[0], PageGeometry(HEADS, DIM, BLOCK), "CPU_ATTN (test)")
+    pages = [PagedLayer(c, page_map) for c in caches]
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     worker = WorkerSide(store, service, pages, names)
     scheduler = SchedulerSide(client, block_size=BLOCK, prefetch=False)

@@ -1,7 +1,8 @@
 """attnstore on real vLLM (local_runner.engine "vllm"): `python -m proxy serve` processes, each starting
 vLLM CPU with kvtier's connector and vLLM's own prefix cache off, so every reused token comes from the
 store. Greedy answers must equal vLLM recomputing the same prompt (the same server, the store not
-consulted); a restart of attnstore and vLLM keeps the hits (from L2); a corrupt L2 file is a miss;
+consulted), in bfloat16 and float32 (the CPU kernel lays KV out differently in each) and at the default
+dtype; a restart of attnstore and vLLM keeps the hits (from L2); a corrupt L2 file is a miss;
 DELETE forgets; two replicas with a Redis index share the L2 folder.
 
 They need a Python with vLLM 0.32 (`make vllm` builds .venv-vllm; ATTNSTORE_TEST_VLLM_PYTHON names
@@ -30,7 +31,10 @@ from tests.support.processes import ReplicaProcess
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.model
-VLLM_PYTHON = os.environ.get("ATTNSTORE_TEST_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+# Absolute (not resolved: a venv's python is a link), as the servers start in temporary folders.
+VLLM_PYTHON = os.path.abspath(
+    os.environ.get("ATTNSTORE_TEST_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+)
 START_S = 600  # two vLLMs starting at once on two cores
 QUESTIONS = [
     "Explain what the KV cache does during inference, in a few sentences.",
@@ -51,7 +55,10 @@ def vllm_python() -> str:
     return VLLM_PYTHON
 
 
-def settings(python: str, l2: Path, *, index: str = "memory", name: str = "a") -> dict[str, Any]:
+def settings(
+    python: str, l2: Path, *, index: str = "memory", name: str = "a", dtype: str | None = None
+) -> dict[str, Any]:
+    """`dtype` None: the default (`auto`: bfloat16 where the CPU computes it natively, else float32)."""
     return {
         "attention_store": {
             "tiering": {
@@ -65,7 +72,7 @@ def settings(python: str, l2: Path, *, index: str = "memory", name: str = "a") -
         "local_runner": {
             "engine": "vllm",
             "vllm_python": python,
-            "dtype": "float32",
+            **({"dtype": dtype} if dtype else {}),
             "cache_dir": str(REPO / "var" / "models"),
             "kv_chunk_tokens": 128,
             "vllm_args": ["-O0", "--no-enable-prefix-caching"],
@@ -197,10 +204,12 @@ def assert_hit(headers: dict[str, str], usage: dict[str, Any], cache: str | None
     return reused
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_later_turns_are_hits_whose_answers_equal_a_recompute_and_delete_forgets(
-    servers, vllm_python, tmp_path
+    servers, vllm_python, tmp_path, dtype
 ):
-    (server,) = servers.start(settings(vllm_python, tmp_path / "kv"))
+    (server,) = servers.start(settings(vllm_python, tmp_path / "kv", dtype=dtype))
+    assert _served_dtype(server) == dtype
     turns = converse(server.url, "conv-1", 3)
     first_headers = turns[0][2]
     assert (
@@ -220,7 +229,13 @@ def test_later_turns_are_hits_whose_answers_equal_a_recompute_and_delete_forgets
     assert headers["X-AttentionStore-Cache"] == "miss" and answer == turns[2][1]
 
 
+def _served_dtype(server: ReplicaProcess) -> str:
+    health = orjson.loads(urllib3.request("GET", server.url + "/healthz", timeout=10).data)
+    return str(health["local"][MODEL]["dtype"])
+
+
 def test_a_restart_keeps_the_hits_from_l2_and_a_corrupt_file_is_a_miss(servers, vllm_python, tmp_path):
+    """At the default settings (dtype auto): the layout the machine's CPU kernel uses by default."""
     l2 = tmp_path / "kv"
     (first,) = servers.start(settings(vllm_python, l2))
     kept = converse(first.url, "kept", 2)

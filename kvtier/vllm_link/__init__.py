@@ -3,7 +3,8 @@
     plan.py     the arithmetic: request parameters, tokens to restore, block slots, tiers  (no torch)
     options.py  the connector's settings and the model fingerprint                          (no torch)
     wire.py     the store's socket: server and clients                                       (no torch)
-    pages.py    where K and V sit in vLLM's paged cache, per attention backend
+    pages.py    where K and V sit in vLLM's paged cache (a page map), moved in and out by token slot
+    discover.py the page map of a backend, found at start through its own write kernel and checked
     service.py  the store's answers on its socket (in vLLM's worker process)
     worker.py   restoring into and saving out of vLLM's blocks, layer by layer
     scheduler.py  matching, prefetch, the queue as a hint, what each step loads and saves

@@ -1,8 +1,9 @@
 """The worker side's start: from vLLM's paged caches to a store, its socket and the WorkerSide.
 
 vLLM registers one cache tensor per attention layer once it has allocated them; their shape, dtype and
-attention backend give the store its layout, and the model folder, dtype, vLLM version and backend its
-fingerprint. L0 (device memory in kvtier) stays empty: vLLM's own paged memory is that tier here.
+attention backend give the store its layout, each kind of layer (backend, shape, strides) its page map,
+found through that backend's own write kernel (discover.py), and the model folder, dtype, vLLM version
+and backend the store's fingerprint. L0 (device memory in kvtier) stays empty: vLLM's own paged memory is that tier here.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch
 from ..config import StoreConfig
 from ..layout import KVLayout
 from ..store import KVStore
+from .discover import LayoutError, WriteKV, find_page_map
 from .options import ConnectorOptions, model_fingerprint
-from .pages import PagedLayer, WriteKV, find_cpu_key_layout
+from .pages import PagedLayer, PageGeometry, PageMap
 from .plan import ordered_layers
 from .service import StoreService
 from .wire import StoreSocketServer
@@ -27,31 +29,65 @@ from .worker import WorkerSide
 log = logging.getLogger("vllm.attnstore")  # under vLLM's logger: its handlers print it
 
 
+def attention_layer(vllm_config: Any, layer_name: str) -> Any:
+    """vLLM's Attention module of this layer (its backend, its impl, on CPU its ISA)."""
+    return vllm_config.compilation_config.static_forward_context[layer_name]
+
+
 def attention_backend(vllm_config: Any, layer_name: str) -> str:
     """The name of the attention backend vLLM chose for this layer (CPU_ATTN, FLASH_ATTN, ...)."""
-    layer = vllm_config.compilation_config.static_forward_context[layer_name]
-    return str(layer.attn_backend.get_name())
+    return str(attention_layer(vllm_config, layer_name).attn_backend.get_name())
 
 
-def cpu_kernel_writer(
-    vllm_config: Any, layer_name: str, num_kv_heads: int, block_size: int, head_dim: int
-) -> WriteKV:
-    """vLLM's CPU kernel writing keys and values into a cache, with the ISA the layer runs with."""
-    from vllm import _custom_ops as ops
-
-    layer = vllm_config.compilation_config.static_forward_context[layer_name]
-    isa = getattr(layer, "isa", None)
-    if isa is None:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(vllm_config.model_config.dtype, block_size, head_dim)
+def kernel_writer(layer: Any) -> WriteKV:
+    """The layer's own KV write (its impl's do_kv_cache_update: the op its forward uses, with the ISA and
+    the scales vLLM set on the layer), writing into whatever cache it is given."""
+    update = getattr(layer.impl, "do_kv_cache_update", None)
+    if update is None:
+        raise LayoutError(f"{type(layer.impl).__name__} has no do_kv_cache_update to find its KV layout with")
 
     def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-        rows = cache.view(cache.shape[0], num_kv_heads, 2 * block_size, head_dim)
-        key_cache, value_cache = rows.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+        update(layer, key, value, cache, slots)
 
     return write
+
+
+def kernel_name(layer: Any, backend: str, cache: torch.Tensor) -> str:
+    """Backend, dtype and ISA (the CPU kernel's, or the CUDA device's), as a refusal names them."""
+    dtype = str(cache.dtype).removeprefix("torch.")
+    if cache.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(cache.device)
+        return f"{backend} ({dtype}, sm_{major}{minor} {torch.cuda.get_device_name(cache.device)})"
+    return f"{backend} ({dtype}, ISA {getattr(layer, 'isa', 'unknown')}{_cpu_flags()})"
+
+
+def _cpu_flags() -> str:
+    try:
+        words = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return ""
+    known = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "asimd") if f in words]
+    return f" on {' '.join(known)}" if known else ""
+
+
+def paged_layers(
+    vllm_config: Any, kv_caches: dict[str, torch.Tensor], names: list[str], geometry: PageGeometry
+) -> tuple[list[PagedLayer], list[str]]:
+    """Each layer's cache behind its page map, found once per kind of layer (backend, shape, strides,
+    dtype) through that kind's first layer's kernel; and a line per kind for the log."""
+    maps: dict[tuple[object, ...], PageMap] = {}
+    notes: list[str] = []
+    layers = []
+    for name in names:
+        cache, layer = kv_caches[name], attention_layer(vllm_config, name)
+        backend = str(layer.attn_backend.get_name())
+        kind = (backend, tuple(cache.shape), cache.stride(), cache.dtype, cache.device)
+        if kind not in maps:
+            what = kernel_name(layer, backend, cache)
+            maps[kind] = find_page_map(kernel_writer(layer), cache, geometry, what)
+            notes.append(f"{what}: {maps[kind].source}, K/V {PagedLayer(cache, maps[kind]).path}")
+        layers.append(PagedLayer(cache, maps[kind]))
+    return layers, notes
 
 
 def open_worker(
@@ -60,25 +96,19 @@ def open_worker(
     started = time.perf_counter()
     names = ordered_layers(kv_caches)
     model_config = vllm_config.model_config
-    num_kv_heads = int(kv_caches[names[0]].shape[1])
+    first = kv_caches[names[0]]
+    num_kv_heads = int(first.shape[1])
     head_dim = int(model_config.get_head_size())
-    backend = attention_backend(vllm_config, names[0])
-    dtype = kv_caches[names[0]].dtype
-    transposed = False
-    if backend == "CPU_ATTN":
-        block_size = int(kv_caches[names[0]].shape[2])
-        write = cpu_kernel_writer(vllm_config, names[0], num_kv_heads, block_size, head_dim)
-        transposed = find_cpu_key_layout(write, num_kv_heads, block_size, head_dim, dtype)
-    layers = [
-        PagedLayer(
-            kv_caches[n],
-            attention_backend(vllm_config, n),
-            num_kv_heads,
-            head_dim,
-            keys_transposed=transposed,
+    block_size = int(first.shape[2])
+    if block_size != vllm_config.cache_config.block_size:
+        raise ValueError(
+            f"the KV cache has blocks of {block_size} tokens, vLLM's scheduler {vllm_config.cache_config.block_size}"
         )
-        for n in names
-    ]
+    backend = attention_backend(vllm_config, names[0])
+    dtype = first.dtype
+    layers, notes = paged_layers(
+        vllm_config, kv_caches, names, PageGeometry(num_kv_heads, head_dim, block_size)
+    )
     layout = KVLayout(num_layers=len(names), num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
     import vllm
 
@@ -89,7 +119,7 @@ def open_worker(
         f"vllm-{vllm.__version__}",
         backend,
     )
-    device = kv_caches[names[0]].device
+    device = first.device
     store = KVStore(
         StoreConfig(
             l0_capacity_bytes=0,
@@ -111,11 +141,11 @@ def open_worker(
     server = StoreSocketServer(options.socket_path, service.handlers())
     worker = WorkerSide(store, service, layers, names, layerwise=options.layerwise)
     log.info(
-        "attnstore store ready in %.2f s: %s, %s layout, %d layers x %d KV heads x %d, %s; L1 %d MB, L2 %s "
+        "attnstore store ready in %.2f s on %s: %s; %d layers x %d KV heads x %d, %s; L1 %d MB, L2 %s "
         "(%d MB); chunks of %d tokens; socket %s",
         time.perf_counter() - started,
-        backend + (" (keys stored transposed)" if transposed else ""),
         device,
+        "; ".join(notes),
         layout.num_layers,
         num_kv_heads,
         head_dim,

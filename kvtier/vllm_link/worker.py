@@ -29,12 +29,11 @@ import torch
 from ..config import ChunkRef, PrefixMatch
 from ..restored_kv import KVLoadError, RestoredKV
 from ..store import KVStore
-from .pages import PagedLayer
+from .pages import PagedLayer, Slots
 from .plan import LoadSpec, SaveSpec, StepPlan, StoredChunk, block_slots, blocks_of, covering_chunks
 from .service import StoreService
 
 log = logging.getLogger(__name__)
-Slots = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
