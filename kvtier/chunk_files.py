@@ -186,21 +186,6 @@ def write_chunks(
     return [r for r in results if r is not None]
 
 
-def write_chunk(
-    root: Path,
-    chunk: ChunkId,
-    data: ChunkKV,
-    model_fingerprint: str,
-    layout: KVLayout,
-    drop_cache: bool = False,
-) -> ChunkMeta:
-    """Write one chunk atomically (temp file in the same folder, fsync, rename, fsync folder)."""
-    (result,) = write_chunks(root, [(chunk, data)], model_fingerprint, layout, drop_cache)
-    if isinstance(result, OSError):
-        raise result
-    return result
-
-
 # ---- reading -------------------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .policies import POLICIES
+from .eviction import POLICIES
 from .tier_names import TIERS, Tier, tier_rank
 
 PLACEMENT_HINTS = ("ttft_priority", "throughput")

@@ -1,7 +1,7 @@
 """The store's core: the one owner of what the store's parts share (the lock, the prefix index, the
 ordered tiers, the counters, the runner's schedule), and the questions about a chunk that span tiers.
 
-Who writes what: the index writes its entries (index.py), each tier its budget and handles (tier.py),
+Who writes what: the index writes its entries (index.py), each tier its budget and handles (tier_interface.py),
 the counters themselves through their methods (stats.py); the core holds the lock around all of it.
 Placement (placement.py) decides moves between tiers; loading, prefetch, saving and adoption call
 these objects' methods, never write their fields.
@@ -25,7 +25,7 @@ from .memory_tier import Copy, MemoryTier
 from .persistent_tier import PersistentTier
 from .schedule import Schedule
 from .stats import Counters
-from .tier import TierBackend
+from .tier_interface import TierBackend
 from .tier_names import Tier, tier_rank
 
 

@@ -12,10 +12,9 @@ from .chunk_files import ChunkReader, read_chunk, read_header, write_chunks
 from .chunk_folder import chunk_path, make_dirs, quarantine, scan
 from .chunk_format import ChunkMeta, CorruptChunk, ForeignChunk
 from .config import StoreConfig
-from .eviction import EvictionPolicy
+from .eviction import EvictionPolicy, make_policy
 from .layout import KVLayout
 from .persistent_tier import PersistentTier
-from .policies import make_policy
 from .tier_names import Tier
 
 

@@ -2,7 +2,7 @@
 
 Pure bookkeeping, no I/O and no locking: the store holds its lock around every call. An entry says who
 a chunk is and what the store as a whole knows of it (pins, prefetch); where its bytes are is the
-tiers' business (tier.py: each tier keeps its own handle per key).
+tiers' business (tier_interface.py: each tier keeps its own handle per key).
 """
 
 from __future__ import annotations

@@ -17,10 +17,9 @@ import torch
 
 from .chunk import ChunkKV
 from .config import StoreConfig, resolve_device
-from .eviction import EvictionPolicy
+from .eviction import EvictionPolicy, make_policy
 from .layout import KVLayout
-from .policies import make_policy
-from .tier import TierBackend
+from .tier_interface import TierBackend
 from .tier_names import Tier
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import numpy as np
 from .chunk import ChunkId, ChunkKV
 from .chunk_format import ChunkMeta, CorruptChunk
 from .eviction import EvictionPolicy
-from .tier import TierBackend
+from .tier_interface import TierBackend
 from .tier_names import Tier
 
 

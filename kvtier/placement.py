@@ -16,7 +16,7 @@ from .chunk import ChunkKV
 from .core import StoreCore
 from .index import Entry
 from .memory_tier import Copy, MemoryTier
-from .tier import TierBackend
+from .tier_interface import TierBackend
 
 
 class Placement:
@@ -25,12 +25,12 @@ class Placement:
         self._index = core.index
 
     def _evictable(self) -> Callable[[str], bool]:
-        schedule = self._core.schedule
-        protected = schedule.protected if schedule is not None else frozenset()
+        """The store's own rule: a pinned chunk stays. (What the schedule protects never reaches it:
+        the tier's eviction order leaves it out, see TierBackend.ordered.)"""
 
         def ok(key: str) -> bool:
             e = self._index.get(key)
-            return e is not None and e.pins == 0 and key not in protected
+            return e is not None and e.pins == 0
 
         return ok
 
@@ -71,11 +71,11 @@ class Placement:
             self._index.remove(entry.key)
 
     def demote_all(self, tier: MemoryTier, copies: list[Copy]) -> int:
-        """Evict every evictable chunk of a memory tier (demoted where the slower tiers have room).
-        Returns the bytes that left it."""
+        """Evict every evictable chunk of a memory tier (demoted where the slower tiers have room), in
+        eviction order: what the schedule needs soonest is demoted last. Returns the bytes that left it."""
         evictable = self._evictable()
         freed = 0
-        for key in tier.ordered(None):
+        for key in tier.ordered(self._core.schedule):
             e = self._index.get(key)
             if e is not None and key in tier and evictable(key):
                 freed += e.nbytes

@@ -1,6 +1,6 @@
 """RestoredKV: the handle a load hands the runner, restored KV arriving layer by layer.
 
-The loader (restore.py, on a load thread) fills it (`target`, `mark_loaded`, `fail`) and the store says
+The loader (loading.py, on a load thread) fills it (`target`, `mark_loaded`, `fail`) and the store says
 when its own bookkeeping is over (`settle`); the runner reads it (`layer`, `buffers`, `wait`). Layer i
 is the runner's to read once it is loaded, so it can compute layer i while layer i+1 still arrives.
 """
@@ -114,11 +114,6 @@ class RestoredKV:
         if event is not None:
             torch.cuda.current_stream(k.device).wait_event(event)
         return k, v
-
-    def copy_event(self, i: int) -> torch.cuda.Event | None:
-        """On CUDA, the event recorded on the copy stream after layer i's copies (a reader's stream
-        waits on it, see `buffers`); None off CUDA or before layer i is loaded."""
-        return self._events[i]
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until `ready` (or the timeout passes); never raises: `wait()` says how it ended."""

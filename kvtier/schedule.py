@@ -2,19 +2,17 @@
 
 AttentionStore's scheduler-aware eviction: the serving queue is a forecast. Chunks that running jobs
 need, or that the jobs inside the look-ahead window will need, are not evicted until their job starts
-or is cancelled. Among the rest, chunks no queued job needs go first (least recently used first), then
+or is cancelled. Among the rest, chunks no queued job needs go first (in the tier policy's order), then
 those of queued jobs from the back of the queue, so what is needed soonest stays longest.
 
-ScheduleAware is that order as an eviction policy wrapped around the configured one (which orders the
-unscheduled chunks, and each queued job's chunks among themselves).
+eviction_order is the one place that applies it: a tier (tier_interface.py) passes its policy's order
+through it. This module knows no policy, so eviction.py and this one do not import each other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-
-from .eviction import EvictionPolicy, Usage
 
 
 @dataclass(frozen=True)
@@ -43,24 +41,12 @@ class Schedule:
 def eviction_order(keys_in_order: Iterable[str], schedule: Schedule | None) -> list[str]:
     """Candidates (given in a policy's order, e.g. least recently used first) in the order they should
     go: without a schedule, as given; with one, unscheduled chunks (in the given order), then queued
-    chunks from the back of the queue; protected ones never."""
+    chunks from the back of the queue; protected ones never (nowhere else leaves them out)."""
     keys = list(keys_in_order)
     if schedule is None:
         return keys
-    free = [k for k in keys if k not in schedule.protected and k not in schedule.queued]
-    queued = [k for k in keys if k in schedule.queued]
+    evictable = [k for k in keys if k not in schedule.protected]
+    free = [k for k in evictable if k not in schedule.queued]
+    queued = [k for k in evictable if k in schedule.queued]
     queued.sort(key=lambda k: schedule.queued[k], reverse=True)  # stable: LRU among one job's chunks
     return free + queued
-
-
-class ScheduleAware:
-    """An eviction policy that follows the runner's queue: `inner` orders the candidates, then
-    eviction_order reorders them by the schedule (without one, `inner`'s order stands)."""
-
-    def __init__(self, inner: EvictionPolicy) -> None:
-        self.inner = inner
-        self.name = inner.name
-
-    def order(self, candidates: Iterable[Usage], schedule: Schedule | None) -> Iterator[str]:
-        keys = self.inner.order(candidates, schedule)
-        return keys if schedule is None else iter(eviction_order(keys, schedule))

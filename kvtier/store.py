@@ -1,10 +1,13 @@
 """KVStore: the facade the runner uses. It answers lookups and takes puts itself, and hands the rest to
 one part per idea, around one StoreCore (core.py: the lock, the index, the ordered tiers, the counters):
 
-    tiers.py      the tiers (one backend each: memory_tier.py, file_tier.py), built from the config
-    placement.py  moves between tiers, demotion and eviction   adoption.py  stored chunks: scan, by key
-    lookup.py     longest stored prefix, chains of keys         saving.py    background writes
-    loading.py    load threads, promotion                       prefetch.py  the scheduler's look-ahead
+    tier_registry.py  the tiers, one backend each (tier_interface.py), built from the config
+    placement.py      moves between tiers, demotion and eviction (eviction.py, schedule.py)
+    adoption.py       stored chunks: scan, by key
+    lookup.py         longest stored prefix, chains of keys
+    saving.py         background writes
+    loading.py        the load path: load threads, layer by layer, promotion
+    prefetch.py       the scheduler's look-ahead
 
 The invariants (stated in core.py): no tier above capacity, pinned entries never evicted, an entry
 leaves the index when no tier holds it; tensor copies and disk I/O happen outside the lock.
@@ -34,7 +37,7 @@ from .saving import Save, Saving
 from .schedule import Schedule
 from .stats import StoreStats, TierStats
 from .tier_names import Tier
-from .tiers import TierFactory, build_tiers
+from .tier_registry import TierFactory, build_tiers
 
 
 class KVStore:
@@ -46,7 +49,7 @@ class KVStore:
         *,
         tiers: Mapping[Tier, TierFactory] | None = None,
     ) -> None:
-        """`tiers`: backends to use instead of the registered ones for some tiers (tiers.py)."""
+        """`tiers`: backends to use instead of the registered ones for some tiers (tier_registry.py)."""
         self.config = config
         self.layout = layout
         self.model_fingerprint = model_fingerprint

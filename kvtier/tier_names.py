@@ -2,7 +2,7 @@
 the runner's reports). Torch-free on purpose: the proxy imports these names without loading torch.
 
 A tier's position in TIERS is its rank: fastest first, and eviction demotes towards the end. A new tier
-is named here (its registration, with its backend in tiers.py).
+is named here (its registration, with its backend in tier_registry.py).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from kvtier.chunk import ChunkId, ChunkKV
 from kvtier.chunk_folder import QUARANTINE, chunk_path
 from kvtier.chunk_format import ChunkMeta
 from kvtier.file_tier import FileTier
-from kvtier.tier import TierBackend
-from kvtier.tiers import TierFactory
+from kvtier.tier_interface import TierBackend
+from kvtier.tier_registry import TierFactory
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 CHUNK = 4
@@ -45,7 +45,7 @@ def make(
 
 def own(tier_class: type[TierBackend], **attrs: object) -> TierFactory:
     """A tier backend of the test's own class (built from the config as the registered one is), with
-    the given attributes set: the store's seam for another backend (tiers.py)."""
+    the given attributes set: the store's seam for another backend (tier_registry.py)."""
 
     def build(config: StoreConfig, layout: KVLayout, model_fingerprint: str) -> TierBackend:
         tier = tier_class.from_config(config, layout, model_fingerprint)

@@ -13,11 +13,11 @@ from kvtier import Schedule, StoreConfig
 from kvtier.chunk import ChunkId, ChunkKV
 from kvtier.chunk_format import ChunkMeta, CorruptChunk
 from kvtier.config import EVICTION_POLICIES
-from kvtier.eviction import Usage
+from kvtier.eviction import LeastFrequentlyUsed, Usage, make_policy
 from kvtier.layout import KVLayout
+from kvtier.memory_tier import HostTier
 from kvtier.persistent_tier import PersistentTier
-from kvtier.policies import make_policy
-from kvtier.policy_lfu import LeastFrequentlyUsed
+from kvtier.schedule import eviction_order
 from tests.test_kvtier import CB, CHUNK, LAYOUT, assert_restored, kv, make, own, toks
 
 # ---- a persistent tier of the test's own: chunks kept in a dict ("the shelf"), not in files --------
@@ -128,11 +128,24 @@ def _usage(key: str, last_used: int, uses: int) -> Usage:
 
 def test_lfu_orders_by_uses_then_recency_and_follows_the_schedule():
     candidates = [_usage("a", 1, 3), _usage("b", 2, 0), _usage("c", 3, 1), _usage("d", 4, 0)]  # LRU order
-    assert list(LeastFrequentlyUsed().order(candidates, None)) == ["b", "d", "c", "a"]
+    assert list(LeastFrequentlyUsed().order(candidates)) == ["b", "d", "c", "a"]
     policy = make_policy("lfu")
-    assert list(policy.order(candidates, None)) == ["b", "d", "c", "a"]
+    assert list(policy.order(candidates)) == ["b", "d", "c", "a"]
     schedule = Schedule.from_queue(running=[["b"]], queue=[["c"], ["a"]], window=1)  # b, c protected
-    assert list(policy.order(candidates, schedule)) == ["d", "a"]  # unscheduled first, then the queue
+    assert eviction_order(policy.order(candidates), schedule) == ["d", "a"]  # unscheduled, then the queue
+
+
+def test_a_tier_applies_the_schedule_to_its_policys_order_once():
+    """The policy orders, the schedule reorders and leaves the protected out; pins are the store's."""
+    tier = HostTier("l1", 4, make_policy("lfu"), torch.device("cpu"))
+    for key in "abcd":
+        tier.admit(key, 1, None)
+    tier.touch("a")  # a used once: LFU gives it up last
+    assert tier.ordered(None) == ["b", "c", "d", "a"]
+    schedule = Schedule.from_queue(running=[["b"]], queue=[["c"], ["d"]], window=1)  # b, c protected
+    assert tier.ordered(schedule) == ["a", "d"]
+    assert tier.victims(2, lambda key: key != "a", schedule) is None  # a pinned: only d may go
+    assert tier.victims(1, lambda key: True, None) == ["b"]
 
 
 def test_an_unknown_policy_is_refused():

@@ -75,7 +75,7 @@ def test_a_settled_restore_has_finished_its_copies(tmp_path, into):
         out = [(torch.empty(shape, device="cuda"), torch.empty(shape, device="cuda")) for _ in layers]
     restored = store.load(match, out=out)
     assert restored.wait_ready(30)
-    events = [restored.copy_event(i) for i in range(len(layers))]
+    events = list(restored._events)  # each layer's copy-stream event
     assert all(e is not None and e.query() for e in events)
     for i, (k, _) in enumerate(layers):
         assert torch.equal(restored.layer(i)[0].cpu(), k)

@@ -54,6 +54,31 @@ def test_queued_chunks_go_from_the_back_of_the_queue(tmp_path):
     store.close()
 
 
+def test_shedding_memory_keeps_what_the_schedule_protects(tmp_path):
+    store = make(tmp_path, l0=4 * CB, l1=0, l2=8 * CB)
+    store.put("t", toks(CHUNK, 0), kv(CHUNK))
+    store.put("t", toks(CHUNK, 100), kv(CHUNK))
+    store.set_schedule(Schedule.from_queue([keys_of(store, 0)], [], window=0))  # 0's job runs
+    assert store.shed_device_memory() == CB  # only the unprotected chunk leaves L0
+    assert (tier_of(store, 0), tier_of(store, 100)) == ("l0", "l2")
+    store.put("t", toks(CHUNK, 200), kv(CHUNK))
+    assert store.shed_memory(8 * CB) == CB  # the running job's chunk stays in memory
+    assert (tier_of(store, 0), tier_of(store, 200)) == ("l0", "l2")
+    store.close()
+
+
+def test_demoting_l0_follows_the_schedule_so_the_sooner_job_keeps_l1(tmp_path):
+    store = make(tmp_path, l0=4 * CB, l1=CB, l2=8 * CB)
+    store.put("t", toks(CHUNK, 0), kv(CHUNK))  # a queued job's
+    store.put("t", toks(CHUNK, 100), kv(CHUNK))  # no job's
+    queued = keys_of(store, 0)
+    keys_of(store, 100)  # now 0 is the least recently used: LRU alone would demote it first
+    store.set_schedule(Schedule.from_queue([], [[], queued], window=1))
+    assert store.shed_device_memory() == 2 * CB
+    assert (tier_of(store, 0), tier_of(store, 100)) == ("l1", "l2")
+    store.close()
+
+
 def test_prefetch_brings_a_disk_chunk_up_to_l0_and_counts_it_used(tmp_path):
     store = make(tmp_path, l0=4 * CB, l1=4 * CB, l2=8 * CB)
     layers = kv(2 * CHUNK, seed=5)
@@ -162,7 +187,7 @@ def test_cuda_restore_copies_on_its_own_stream_with_one_event_per_layer(tmp_path
         rk, _ = restored.layer(i)  # the reader's stream waits on layer i's event
         assert rk.device.type == "cuda" and torch.equal(rk.cpu(), k[:, :, : match.tokens])
     restored.wait()
-    assert all(restored.copy_event(i) is not None for i in range(len(layers)))
+    assert all(e is not None for e in restored._events)  # one copy-stream event per layer
     store.close()
 
 

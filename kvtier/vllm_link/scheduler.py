@@ -1,6 +1,7 @@
 """The connector's scheduler side: how many prompt tokens the store supplies, the queue as the store's
-hint, and what the worker loads and saves each step. Plain data in and out (connector.py reads vLLM's
-objects), and the store reached through its socket (wire.py), so it runs in vLLM's scheduler process.
+hint, and what the worker loads and saves each step. Plain data in and out (kvtier/vllm_connector.py
+reads vLLM's objects), and the store reached through its socket (wire.py), so it runs in vLLM's
+scheduler process.
 
 A request's life here:
 

@@ -1,4 +1,6 @@
-"""The interface every tier implements, and the byte budget with eviction order they all share.
+"""The tier interface: what every tier backend implements (memory_tier.py, file_tier.py), and the byte
+budget with eviction order they all share. Which backend serves which tier is tier_registry.py; the
+tiers' names are tier_names.py.
 
     admit(key, nbytes, handle)   take a chunk (the store made room first, see victims)
     read(key) -> handle | None   what a load reads the chunk from
@@ -24,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 from .eviction import EvictionPolicy, Usage
-from .schedule import Schedule
+from .schedule import Schedule, eviction_order
 from .tier_names import Tier
 
 H = TypeVar("H")
@@ -92,14 +94,14 @@ class TierBackend(ABC, Generic[H]):
         return True
 
     def ordered(self, schedule: Schedule | None) -> list[str]:
-        """Every chunk's key, in the order the policy would evict them (a list: the caller may evict
-        while it walks it)."""
-        return list(self.policy.order(list(self._usage.values()), schedule))
+        """The keys of every chunk the tier may give up, in the order it would (a list: the caller may
+        evict while it walks it)."""
+        return list(self._eviction_order(schedule))
 
     def victims(
         self, nbytes: int, evictable: Callable[[str], bool], schedule: Schedule | None
     ) -> list[str] | None:
-        """Keys to let go so that `nbytes` more fit, in the policy's order, taking only those that
+        """Keys to let go so that `nbytes` more fit, in eviction order (`ordered`), taking only those that
         `evictable` and the tier allow; None if that is impossible (then nothing is to go)."""
         if nbytes > self.capacity:
             return None
@@ -107,13 +109,20 @@ class TierBackend(ABC, Generic[H]):
         if need <= 0:
             return []
         chosen: list[str] = []
-        for key in self.policy.order(self._usage.values(), schedule):
+        for key in self._eviction_order(schedule):
             if need <= 0:
                 break
             if evictable(key) and self.evictable(key):
                 chosen.append(key)
                 need -= self._usage[key].nbytes
         return chosen if need <= 0 else None
+
+    def _eviction_order(self, schedule: Schedule | None) -> Iterator[str]:
+        """The one place where the schedule meets the policy: the policy's order, then the schedule's
+        (protected chunks left out, see schedule.py). Lazy without a schedule: victims stops reading
+        once it has room."""
+        keys = self.policy.order(self._usage.values())
+        return keys if schedule is None else iter(eviction_order(keys, schedule))
 
     def _charge(self, key: str, nbytes: int) -> None:
         if key in self._usage:

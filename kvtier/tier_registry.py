@@ -11,7 +11,7 @@ from .config import StoreConfig
 from .file_tier import FileTier
 from .layout import KVLayout
 from .memory_tier import DeviceTier, HostTier
-from .tier import TierBackend
+from .tier_interface import TierBackend
 from .tier_names import MEMORY_TIERS, TIERS, Tier
 
 __all__ = ["BACKENDS", "MEMORY_TIERS", "TIERS", "Tier", "TierFactory", "build_tiers"]
