@@ -13,7 +13,7 @@ unbacked symbols: one graph serves every step, a lone decoding token included (t
 compile a size of 1 apart). ModelStep compiles it on a thread of its own after start (~30-45 s on
 this 2-core CPU) while jobs run on the eager step. The generated C++ kernels are cached on disk
 (`use_cache_dir`), but with frozen weights inductor recompiles the graph's code at every start (its FX
-graph cache skips graphs with frozen constants): README, "The engine: batched steps", has the figures.
+graph cache skips graphs with frozen constants): docs/benchmarks.md, "What a start costs", has the figures.
 
 Any failure to compile falls back to the eager forward, said once in the log; the step then computes
 what it computes without compiling.

@@ -89,12 +89,6 @@ class JobKV:
         """Forget every token from `length` on."""
         self.length = max(0, min(self.length, length))
 
-    def drop_restored(self) -> None:
-        """Start over without the restored prefix (its load failed): the slot counts nothing."""
-        self._source = None
-        self._arrived = [True] * len(self._views)
-        self.length = 0
-
     def layers(self) -> list[KV]:
         """Every layer's K and V for the `length` tokens held, as [1, heads, tokens, head_dim] views."""
         out = []

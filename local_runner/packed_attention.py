@@ -16,7 +16,7 @@ lives in its slot of the model's KV pool (kv_slots.py). Per layer, a step does:
 depend on which other jobs share the step (the batched call pads rows to the longest job, which changes
 the order of the floating-point sums); and every prompt token attends the same way, row by row, so KV
 computed in a prompt chunk equals KV computed a token at a time (reuse exact in every dtype). See
-README, "Batch invariance".
+docs/engine.md, "Batch invariance".
 
 How it plugs into transformers without model-specific code: the model runs with an attention function
 registered under `PACKED` (AttentionInterface), every token gets its own job's position (`position_ids`),

@@ -10,8 +10,8 @@ the KV slots they hold, and it plans each step:
   (a step never waits on a disk) unless nothing else can run. With `batch_invariant`, a prompt's
   chunks are cut where the job alone would cut them (its own fixed chunk size, not what is left of a
   shared budget), so its KV and logits do not depend on the company it keeps.
-- `finished()`: jobs that left the step (ended); the worker hands them to the save hand-off, which
-  frees their slots.
+- `ended()`: jobs that ended in the last step (they leave `running`); the worker hands them to the
+  save hand-off, and `release()` gives their slots back once it is over.
 
 Thread safety: `submit` and `cancel` come from the event loop's threads; everything else runs on the
 worker's thread. One condition variable (`cond`) guards the queue and wakes the worker.

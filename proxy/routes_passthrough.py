@@ -1,5 +1,5 @@
 """Every other path of the API (any method on /v1/...): forwarded to `llm_endpoint.base_url` as it came
-(CONTRACT.md, "Every other path of the API passes through").
+(the project's contract, "Every other path of the API passes through"; docs/api.md, "Pass-through").
 
 Registered last, this route sees what no other route serves. Before anything goes upstream it answers
 what is the proxy's own: a method that a path served here does not take is a 405 (with Allow), as it

@@ -1,11 +1,12 @@
-"""The outcome of one chat request: the one object every route and every error answer of
-`POST /v1/chat/completions` finishes through.
+"""The outcome of one turn: the one object every route and every error answer of the turn endpoints
+(`POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`) finishes through.
 
-The error middleware opens a `Turn` when a request for the chat endpoint arrives and finishes it when the
-answer has been handed over (or the client went away). In between, whoever serves the request reports
-what it learns: who is asking and the session (`identify`), the route (`serve_locally`,
+The error middleware opens a `Turn` when a request for one of those endpoints arrives and finishes it
+when the answer has been handed over (or the client went away). In between, whoever serves the request
+reports what it learns: who is asking and the session (`identify`), the route (`serve_locally`,
 `serve_upstream`, `forwarded`), and when the first token was ready with what it reused (`local_first_token`,
-`upstream_first_byte`). From those facts alone the turn produces what CONTRACT.md promises:
+`upstream_first_byte`). From those facts alone the turn produces what the project's contract promises
+(docs/api.md):
 
 - the X-AttentionStore-* headers (`headers()`, for the answer's headers before they go out, or
   `tag(response)` for an error answer),

@@ -1,5 +1,5 @@
 """Every path of the API that attnstore does not serve for a local model goes to the upstream as it came
-(CONTRACT.md, "Every other path of the API passes through"): the official openai client against the fake
+(the project's contract and docs/api.md, "Pass-through"): the official openai client against the fake
 upstream over real loopback HTTP, answers byte for byte, uploads and answers streamed, the one header
 filter, the same errors as chat, and the proxy's own paths never forwarded."""
 

@@ -55,7 +55,7 @@ def check_vllm_python(python: str) -> None:
     if missing:
         raise ModelLoadError(
             f"local_runner.vllm_python {python}: cannot import {', '.join(missing)} "
-            f"(make vllm builds .venv-vllm with all of them; see README, 'Using vLLM as the engine')"
+            f"(make vllm builds .venv-vllm with all of them; see docs/vllm.md)"
         )
 
 
