@@ -20,7 +20,6 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable
 from contextlib import ExitStack
 
 import torch
@@ -31,6 +30,7 @@ from .job_kv import JobKV
 from .jobs import Failed, Finished, FirstToken, Job, TextDelta
 from .kv_slots import SlotPool
 from .loader import LoadedModel
+from .params import TokenLogprob
 from .realign import Realignment, ShiftedKV, ShiftStats, find_realignment, used_tokens_by_tier
 from .rope_shift import RopeShift
 from .sampling import Sampler
@@ -69,7 +69,8 @@ class JobState:
         self.pool = pool
         self.slot = slot
         req = job.request
-        self.sampler = Sampler(req.sampling)
+        self.sampler = Sampler(req.sampling, req.compiled_grammar)
+        self._logprobs: list[TokenLogprob] = []  # tokens accepted since the last TextDelta (when asked)
         self.text = TextStream(lm.tokenizers.get(), req.sampling.stop)
         self.fed_ids: list[int] = []  # tokens whose KV is in self.kv
         self.generated: list[int] = []
@@ -244,15 +245,24 @@ class JobState:
             self.finish("stop")
             return
         self.generated.append(token)
+        if self.sampler.last is not None:
+            self._logprobs.append(self.sampler.last)
         delta = self.text.push(token)
         if delta:
-            self.job.emit(TextDelta(delta))
+            self._emit_text(delta)
         if self.text.stopped:
             self.finish("stop")
         elif len(self.generated) >= self.job.request.sampling.max_tokens:
             self.finish("length")
         else:
             self.pending_token = token
+
+    def _emit_text(self, text: str) -> None:
+        """Text for the client, with the log-probabilities of the tokens it comes from when asked."""
+        logprobs = None
+        if self.job.request.sampling.logprobs is not None:
+            logprobs, self._logprobs = self._logprobs, []
+        self.job.emit(TextDelta(text, logprobs))
 
     # -- end ------------------------------------------------------------------------------------------
 
@@ -270,8 +280,8 @@ class JobState:
         self._pins.close()
         self.finish_reason = reason
         rest = self.text.finish() if reason != "cancelled" else ""
-        if rest:
-            self.job.emit(TextDelta(rest))
+        if rest or (self._logprobs and reason != "cancelled"):
+            self._emit_text(rest)
         self.status = Status.SAVING
 
     def save(self) -> None:
@@ -314,6 +324,3 @@ class JobState:
         except Exception:  # saving is an optimisation: the answer stands without it
             log.exception("saving KV failed; the answer is unaffected")
             return []
-
-
-SaveHandoff = Callable[[JobState], None]

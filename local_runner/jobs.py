@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from .sampling import SamplingParams
+from .params import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -32,6 +32,8 @@ class GenerationRequest:
     # A miss that the upstream could serve instead (it serves the same model): while it waits, a hit
     # that finds the queue full may take its place, and it goes upstream (cost-aware routing).
     may_overflow: bool = False
+    # sampling.grammar compiled for this model's tokenizer (the engine's `Grammars.compile`), or None.
+    compiled_grammar: object | None = None
 
 
 @dataclass
@@ -48,6 +50,9 @@ class FirstToken:
 @dataclass
 class TextDelta:
     text: str
+    # The tokens this text comes from, when the request asked for logprobs (a delta may carry tokens
+    # whose text is still held back, and the last delta may carry tokens without text).
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -1,18 +1,21 @@
 """Chat messages -> prompt token ids, through the tokenizer's own chat template.
 
-Only plain text turns are rendered here; anything the template cannot represent faithfully (images,
-tool calls, audio) is refused with PromptError so the proxy can send the request upstream instead.
+Text turns, an assistant's tool calls and tool results are rendered here (tools through the template's
+own tool rendering); anything else (images, audio) is refused with PromptError so the proxy can send
+the request upstream instead.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class PromptError(ValueError):
@@ -25,6 +28,8 @@ class PromptError(ValueError):
 
 
 def _text_of(content: Any, where: str) -> str:
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -43,26 +48,81 @@ def _text_of(content: Any, where: str) -> str:
     raise PromptError(f"{where}.content: expected a string or a list of text parts", f"{where}.content")
 
 
-def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
-    """OpenAI messages -> the {role, content} strings a chat template expects."""
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls as chat templates expect them: the arguments as an object
+    (templates write them with `tojson`), in the order the client sent them."""
+    if not isinstance(calls, list):
+        raise PromptError(f"{where}.tool_calls must be an array", f"{where}.tool_calls")
     out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise PromptError(f"{where}.tool_calls[{j}] needs function.name", f"{where}.tool_calls")
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError:
+                raise PromptError(
+                    f"{where}.tool_calls[{j}].function.arguments is not valid JSON", f"{where}.tool_calls"
+                ) from None
+        out.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": arguments},
+            }
+        )
+    return out
+
+
+def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages -> the messages a chat template expects: {role, content} strings, an assistant's
+    tool_calls (arguments as objects), a tool result's tool_call_id."""
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         role = _ROLES.get(str(msg.get("role")))
         if role is None:
             raise PromptError(f"{where}.role {msg.get('role')!r} is not served locally", f"{where}.role")
-        if msg.get("tool_calls") or msg.get("function_call") or msg.get("audio"):
-            raise PromptError(f"{where}: tool calls are not served locally", where)
-        out.append({"role": role, "content": _text_of(msg.get("content"), where)})
+        if msg.get("function_call") or msg.get("audio"):
+            raise PromptError(f"{where}: function_call and audio are not served locally", where)
+        rendered: dict[str, Any] = {"role": role, "content": _text_of(msg.get("content"), where)}
+        if msg.get("tool_calls"):
+            if role != "assistant":
+                raise PromptError(f"{where}: only assistant messages carry tool_calls", where)
+            rendered["tool_calls"] = _tool_calls(msg["tool_calls"], where)
+        if role == "tool" and msg.get("tool_call_id") is not None:
+            rendered["tool_call_id"] = str(msg["tool_call_id"])
+        out.append(rendered)
     if not out:
         raise PromptError("messages: at least one message is required", "messages")
     return out
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]]) -> list[int]:
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a model's conversation is written: its tools (the request's, rendered by the template) and
+    the template itself when settings override the model's own (local_runner.chat_templates)."""
+
+    tools: tuple[dict[str, Any], ...] = ()
+    template: str | None = None
+
+
+PLAIN = PromptFormat()
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]], chat: PromptFormat = PLAIN
+) -> list[int]:
     """Token ids of the conversation with the assistant's generation prompt appended."""
     ids = tokenizer.apply_chat_template(
-        normalize_messages(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        normalize_messages(messages),
+        tools=list(chat.tools) or None,
+        chat_template=chat.template,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
     )
     return list(ids)
 
@@ -89,6 +149,7 @@ def fit_history(
     messages: Sequence[dict[str, Any]],
     limit: int,
     reserve: int = 1,
+    chat: PromptFormat = PLAIN,
 ) -> tuple[list[int], int]:
     """(prompt ids, messages dropped): the conversation cut so that it fits `limit` with `reserve` tokens
     left for the answer, dropping the oldest whole turns (a user message and what follows it up to the
@@ -102,12 +163,12 @@ def fit_history(
     `reserve` does not fit (a large max_tokens) cuts further, for itself alone."""
 
     def length(cut: int, end: int) -> int:
-        return len(render_prompt(tokenizer, _kept(messages, cut, end)))
+        return len(render_prompt(tokenizer, _kept(messages, cut, end), chat))
 
     n = len(messages)
     trigger = limit - max(1, int(limit * ANSWER_ROOM))
     target = int(limit * (1 - ANSWER_ROOM - HEADROOM))
-    ids = render_prompt(tokenizer, messages)
+    ids = render_prompt(tokenizer, messages, chat)
     if len(ids) <= trigger and len(ids) + reserve <= limit:
         return ids, 0  # it never crossed the trigger: no earlier turn cut either (prompts only grow)
     starts = [i for i, m in enumerate(messages) if not _is_system(m) and m.get("role") == "user"]
@@ -123,7 +184,7 @@ def fit_history(
     if length(cut, n) + reserve > limit:  # this turn's answer needs more room than the headroom left
         cut = _cut_to(length, starts, cut, n, limit - reserve)
     kept = _kept(messages, cut, n)
-    return render_prompt(tokenizer, kept), n - len(kept)
+    return render_prompt(tokenizer, kept, chat), n - len(kept)
 
 
 def fit_turn(
@@ -134,6 +195,7 @@ def fit_turn(
     limit: int,
     reserve: int,
     truncate: bool,
+    chat: PromptFormat = PLAIN,
 ) -> tuple[list[int], int]:
     """(prompt ids, messages dropped) for one turn, leaving `reserve` tokens of `limit` for the answer
     (at most a quarter of the context: a large max_tokens is capped, never a reason to refuse).
@@ -143,9 +205,9 @@ def fit_turn(
     Every engine renders through here, so every engine cuts a conversation at the same place."""
     reserve = max(1, min(reserve, limit // 4))
     if truncate:
-        ids, dropped = fit_history(tokenizer, messages, limit, reserve)
+        ids, dropped = fit_history(tokenizer, messages, limit, reserve, chat)
     else:
-        ids, dropped = render_prompt(tokenizer, messages), 0
+        ids, dropped = render_prompt(tokenizer, messages, chat), 0
     check_fits(ids, model=model, limit=limit, reserve=reserve)
     return ids, dropped
 

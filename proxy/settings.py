@@ -152,6 +152,13 @@ class LocalRunnerSettings(_Strict):
     # "vllm": a vLLM OpenAI server per model with kvtier's connector (README, "Using vLLM as the engine"),
     # started from vllm_python ("": this interpreter) with vllm_args; start-up waits vllm_start_timeout_s.
     engine: Literal["transformers", "vllm"] = "transformers"
+    # Served model -> a Jinja chat template file (relative to the settings file) rendered instead of the
+    # model's own, as vLLM's --chat-template: for example one that renders tools.
+    chat_templates: dict[str, str] = field(default_factory=dict)
+    # Served model -> how its tool calls are written: hermes (<tool_call>), llama3_json, mistral
+    # ([TOOL_CALLS]). Where absent, detected from the chat template's text; a model whose template
+    # renders no tools (or names no format) sends tool requests upstream.
+    tool_call_parsers: dict[str, Literal["hermes", "llama3_json", "mistral"]] = field(default_factory=dict)
     vllm_python: str = ""
     vllm_args: list[str] = field(default_factory=list)
     vllm_start_timeout_s: Annotated[float, Meta(gt=0)] = 900
@@ -225,6 +232,14 @@ def _check_values(s: Settings, base_dir: Path, check_paths: bool) -> None:
     for name, source in lr.models.items():
         if not name or not source:
             raise SettingsError(f"local_runner.models: {name!r} needs a non-empty name and source")
+    for key in ("chat_templates", "tool_call_parsers"):
+        for name in getattr(lr, key):
+            if name not in lr.models:
+                raise SettingsError(f"local_runner.{key}: {name!r} is not a model in local_runner.models")
+    if check_paths:
+        for name, path in lr.chat_templates.items():
+            if not resolve_path(path, base_dir).is_file():
+                raise SettingsError(f"local_runner.chat_templates.{name}: no file at {path!r}")
     if not _INDEX.match(s.proxy.session_index):
         raise SettingsError(
             f"proxy.session_index: {s.proxy.session_index!r} is neither 'memory' nor a redis:// URL"
@@ -257,6 +272,14 @@ def _refuse_removed_keys(raw: bytes) -> None:
     for (section, key), why in REMOVED_KEYS.items():
         if isinstance(doc.get(section), dict) and key in doc[section]:
             raise SettingsError(f"{section}.{key} was removed: {why}")
+
+
+def chat_templates(settings: Settings, base_dir: Path) -> dict[str, str]:
+    """local_runner.chat_templates' files, read (served model -> the template's text)."""
+    return {
+        name: resolve_path(path, base_dir).read_text(encoding="utf-8")
+        for name, path in settings.local_runner.chat_templates.items()
+    }
 
 
 def replica_id(settings: Settings) -> str:

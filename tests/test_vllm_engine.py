@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import orjson
 import pytest
 import urllib3
@@ -26,6 +27,7 @@ from transformers import AutoTokenizer
 from local_runner.loader import ModelLoadError
 from local_runner.prompt import render_prompt
 from proxy.local_vllm.engine import check_vllm_python
+from tests import test_agents as agents
 from tests.model_fixture import MODEL, REPO
 from tests.support.processes import ReplicaProcess
 from tests.support.waiting import wait_until
@@ -282,3 +284,20 @@ def test_two_replicas_share_l2_through_redis(servers, vllm_python, tmp_path, red
     assert_hit(headers, usage, "l2_hit")
     assert headers["X-AttentionStore-Replica"] == "b"
     assert answer == recompute(b, messages)
+
+
+def test_agents_on_vllm_tools_structured_outputs_logprobs_and_reuse(servers, vllm_python, tmp_path):
+    """Issue 27 on the vLLM engine: the same checks as tests/test_agents.py, written once above the
+    engines: a named and a required tool call (vLLM decodes under the serving layer's grammar), JSON
+    Schema answers that validate, top_logprobs, and an agent loop that reuses its history each turn."""
+    config = settings(vllm_python, tmp_path / "kv")
+    config["local_runner"]["chat_templates"] = {MODEL: str(agents.TEMPLATE)}
+    config["attention_store"]["position_encoding"]["max_context_tokens"] = 4096  # 8 tool results
+    (server,) = servers.start(config)
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="agent", max_retries=0, timeout=300)
+    agents.check_named_tool_choice(c, stream=False)
+    agents.check_named_tool_choice(c, stream=True)
+    agents.check_required(c)
+    agents.check_json_schema(c, stream=True)
+    agents.check_top_logprobs(c)
+    agents.check_agent_loop(c, turns=8, chunk=128)

@@ -103,4 +103,6 @@ def build_local_backend(
         truncate_on_overflow=settings.attention_store.position_encoding.truncate_on_overflow,
         decouple=settings.attention_store.position_encoding.decouple,
     )
-    return LocalServing.from_settings(EmbeddedEngine(runner), settings, index, overflow=overflow)
+    return LocalServing.from_settings(
+        EmbeddedEngine(runner), settings, index, overflow=overflow, base_dir=base_dir or Path.cwd()
+    )

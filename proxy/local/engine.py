@@ -17,6 +17,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from local_runner import admission
+from local_runner.grammars import Grammars
 from local_runner.jobs import Event, Failed, GenerationRequest
 from local_runner.runner import Runner, RunnerStats
 
@@ -28,6 +29,7 @@ class EmbeddedEngine:
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
+        self.grammars = {name: Grammars(lm) for name, lm in runner.models.items()}
 
     def serves(self, model: str) -> bool:
         return self.runner.serves(model)
@@ -45,6 +47,9 @@ class EmbeddedEngine:
         return self.runner.models[model].fingerprint[:10]
 
     async def run(self, gen: GenerationRequest, *, may_overflow: bool) -> AsyncGenerator[Event, None]:
+        if gen.sampling.grammar is not None:
+            compiled = await asyncio.to_thread(self.grammars[gen.model].compile, gen.sampling.grammar)
+            gen = dataclasses.replace(gen, compiled_grammar=compiled)
         hit = False
         if may_overflow:
             reusable = await asyncio.to_thread(self.runner.reusable_tokens, gen)

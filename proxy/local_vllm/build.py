@@ -118,6 +118,6 @@ def start_vllm_backend(
             max_queue=lr.max_queue,
             timeout_s=settings.proxy.upstream_timeout_s,
         )
-        return LocalServing.from_settings(engine, settings, index, overflow=overflow)
+        return LocalServing.from_settings(engine, settings, index, overflow=overflow, base_dir=base)
 
     return build

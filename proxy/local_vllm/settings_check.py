@@ -2,8 +2,8 @@
 
 With `local_runner.engine: "vllm"` the proxy starts one vLLM server per local model and passes it what
 the settings say (launch.py); a key that would do nothing there is refused at start with one line, as
-CONTRACT.md asks. The two store settings whose default does nothing under vLLM (decouple,
-evict_on_pressure) must be set to false with this engine, so that no accepted value is ignored.
+the project's contract asks (docs/vllm.md). The two store settings whose default does nothing under vLLM
+(decouple, evict_on_pressure) must be set to false with this engine, so that no accepted value is ignored.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ VLLM_LOCAL_RUNNER_KEYS = frozenset(
         "kv_chunk_tokens",
         "cache_dir",
         "l2_drop_page_cache",
+        "chat_templates",
+        "tool_call_parsers",
     }
 )
 VLLM_ONLY_KEYS = ("vllm_python", "vllm_args", "vllm_start_timeout_s")

@@ -13,10 +13,13 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import ClientResponse
 
+from local_runner.params import TokenLogprob
+
 
 @dataclass(frozen=True)
 class Delta:
     text: str
+    logprobs: list[TokenLogprob] | None = None  # when the request asked for them (token ids as ids)
 
 
 @dataclass(frozen=True)
@@ -52,14 +55,33 @@ def parse_event(line: bytes) -> list[Event]:
         return [StreamError(str(error.get("message") if isinstance(error, dict) else error))]
     events: list[Event] = []
     for choice in body.get("choices") or ():
-        if choice.get("text"):
-            events.append(Delta(choice["text"]))
+        logprobs = _logprobs(choice.get("logprobs"))
+        if choice.get("text") or logprobs:
+            events.append(Delta(choice.get("text") or "", logprobs))
         if choice.get("finish_reason"):
             events.append(Finish("length" if choice["finish_reason"] == "length" else "stop"))
     usage = body.get("usage")
     if usage:
         events.append(Usage(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))))
     return events
+
+
+def _token_id(token: str) -> int:
+    """A token as vLLM names it with `return_tokens_as_token_ids` ("token_id:123")."""
+    return int(token.rpartition(":")[2])
+
+
+def _logprobs(doc: object) -> list[TokenLogprob] | None:
+    """A completion chunk's logprobs (tokens, token_logprobs, top_logprobs) as the engine's own, each
+    token's alternatives most likely first."""
+    if not isinstance(doc, dict) or not doc.get("tokens"):
+        return None
+    out = []
+    tops = doc.get("top_logprobs") or [None] * len(doc["tokens"])
+    for token, logprob, top in zip(doc["tokens"], doc["token_logprobs"], tops, strict=True):
+        ranked = sorted(((_token_id(t), float(v)) for t, v in (top or {}).items()), key=lambda tv: -tv[1])
+        out.append(TokenLogprob(_token_id(token), float(logprob), tuple(ranked)))
+    return out
 
 
 async def completion_events(response: ClientResponse) -> AsyncIterator[Event]:

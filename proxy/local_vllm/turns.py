@@ -29,6 +29,7 @@ from kvtier.tier_names import tier_rank
 from kvtier.vllm_link.wire import AsyncStoreClient, StoreError, StoreUnavailable
 from local_runner.jobs import Event, Failed, Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.loader import ThreadTokenizers
+from local_runner.params import SamplingParams, TokenLogprob
 from local_runner.runner import RunnerStats
 
 from ..errors import APIError
@@ -158,7 +159,7 @@ class VllmEngine:
                     first = await self._first_token(model, turn_id, time.monotonic())
                     yield first
                 if isinstance(item, Delta):
-                    yield TextDelta(item.text)
+                    yield TextDelta(item.text, _top(item.logprobs, gen.sampling.logprobs))
                 elif isinstance(item, Finish):
                     reason = item.reason
                 elif isinstance(item, Usage):
@@ -214,9 +215,34 @@ class VllmEngine:
         return list((entry or {}).get("keys") or [])
 
 
+def _top(logprobs: list[TokenLogprob] | None, k: int | None) -> list[TokenLogprob] | None:
+    """vLLM's alternatives (it may add the chosen token to them) cut to the k asked for."""
+    if logprobs is None or k is None:
+        return None
+    return [TokenLogprob(lp.token, lp.logprob, lp.top[:k]) for lp in logprobs]
+
+
+def _sampling_extras(sampling: SamplingParams) -> dict[str, Any]:
+    """The options vLLM takes as they are: penalties, logit_bias, logprobs (token ids, not strings:
+    the serving layer decodes them as for the embedded engine), and the grammar (vLLM's xgrammar)."""
+    extras: dict[str, Any] = {
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+    }
+    if sampling.logit_bias:
+        extras["logit_bias"] = {str(t): b for t, b in sampling.logit_bias.items()}
+    if sampling.logprobs is not None:
+        extras["logprobs"] = sampling.logprobs
+        extras["return_tokens_as_token_ids"] = True
+    if sampling.grammar is not None:
+        extras["structured_outputs"] = {"grammar": sampling.grammar}
+    return extras
+
+
 def _completion_body(model: ServedModel, gen: GenerationRequest, turn_id: str) -> dict[str, Any]:
     sampling = gen.sampling
     return {
+        **_sampling_extras(sampling),
         "model": gen.model,
         "prompt": gen.prompt_ids,
         "max_tokens": max(1, min(sampling.max_tokens, model.limit - len(gen.prompt_ids))),

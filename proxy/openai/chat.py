@@ -30,7 +30,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def completion(ids: CompletionIds, text: str, finish_reason: str, usage_: dict[str, Any]) -> dict[str, Any]:
+def completion(
+    ids: CompletionIds,
+    message: dict[str, Any],
+    finish_reason: str,
+    usage_: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     return {
         "id": ids.id,
         "object": "chat.completion",
@@ -40,8 +46,8 @@ def completion(ids: CompletionIds, text: str, finish_reason: str, usage_: dict[s
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
+                "message": message,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         ],
@@ -56,6 +62,7 @@ def chunk(
     *,
     include_usage: bool = False,
     usage_: dict[str, Any] | None = None,
+    logprobs_: dict[str, Any] | None = None,
 ) -> bytes:
     """One SSE event. `delta=None` makes the usage-only chunk (empty choices) that ends a stream
     when `stream_options.include_usage` is set; other chunks then carry `"usage": null`."""
@@ -67,7 +74,7 @@ def chunk(
         "system_fingerprint": ids.system_fingerprint,
         "choices": []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        else [{"index": 0, "delta": delta, "logprobs": logprobs_, "finish_reason": finish_reason}],
     }
     if include_usage:
         body["usage"] = usage_

@@ -1,12 +1,13 @@
 """Which options of each API the local engines serve, and their validated sampling values.
 
-An option the engines do not implement (tools, n>1, logprobs, images...) is not an error: the request
-goes upstream, or gets a clear 400 when there is none. A supported option with a wrong value is the
+An option the engines do not implement (n>1, images, audio, tools for a model whose template renders
+none...) is not an error: the request goes upstream, or gets a clear 400 when there is none. A supported option with a wrong value is the
 client's error (400 naming the param) wherever the request would go.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from local_runner.params import SamplingParams
@@ -15,38 +16,41 @@ from ..errors import bad_request
 from ..openai.requests import ApiRequest, ChatRequest, CompletionRequest, ResponsesRequest
 
 
+@dataclass(frozen=True)
+class ChatSetup:
+    """What a local model's chat template can do: the template (settings' override, or None for the
+    model's own), whether it renders tools, and the tool-call format its output is parsed with."""
+
+    template: str | None = None
+    tools: bool = False
+    parser: str | None = None
+
+
 def _common_unsupported(body: dict[str, Any]) -> str | None:
     n = body.get("n")
     if n not in (None, 1):
         return "n > 1 is not served locally"
-    if body.get("logit_bias"):
-        return "logit_bias is not served locally"
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            return f"{name} is not served locally"
     return None
 
 
-def _chat_unsupported(body: dict[str, Any]) -> str | None:
-    if body.get("tools") or body.get("functions"):
-        return "tools are not served locally"
-    if body.get("tool_choice") not in (None, "none") or body.get("function_call") not in (None, "none"):
-        return "tool_choice is not served locally"
-    if body.get("logprobs") or body.get("top_logprobs"):
-        return "logprobs are not served locally"
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        return "response_format is not served locally"
+def _chat_unsupported(body: dict[str, Any], setup: ChatSetup) -> str | None:
+    tools_used = bool(body.get("tools")) or any(
+        m.get("role") == "tool" or m.get("tool_calls") for m in body["messages"]
+    )
+    if tools_used and not (setup.tools and setup.parser):
+        return "tools are not served locally (the model's chat template renders none)"
+    if body.get("functions") or body.get("function_call") not in (None, "none"):
+        return "functions (the deprecated form of tools) are not served locally"
     modalities = body.get("modalities")
     if body.get("audio") or (modalities is not None and modalities != ["text"]):
         return "audio is not served locally"
     if body.get("prediction") or body.get("web_search_options"):
         return "prediction and web search are not served locally"
     for i, msg in enumerate(body["messages"]):
-        if msg.get("role") not in ("system", "developer", "user", "assistant"):
+        if msg.get("role") not in ("system", "developer", "user", "assistant", "tool"):
             return f"messages[{i}]: role {msg.get('role')!r} is not served locally"
-        if msg.get("tool_calls") or msg.get("function_call") or msg.get("audio"):
-            return f"messages[{i}]: tool calls are not served locally"
+        if msg.get("function_call") or msg.get("audio"):
+            return f"messages[{i}]: function_call and audio are not served locally"
         content = msg.get("content")
         if isinstance(content, list) and any(
             not (isinstance(p, dict) and p.get("type") == "text") for p in content
@@ -90,13 +94,13 @@ def _responses_unsupported(req: ResponsesRequest) -> str | None:
     return None
 
 
-def unsupported_reason(req: ApiRequest) -> str | None:
+def unsupported_reason(req: ApiRequest, setup: ChatSetup) -> str | None:
     """Why the local engines cannot serve this request faithfully, or None when they can."""
     common = _common_unsupported(req.body)
     if common is not None:
         return common
     if isinstance(req, ChatRequest):
-        return _chat_unsupported(req.body)
+        return _chat_unsupported(req.body, setup)
     if isinstance(req, CompletionRequest):
         return _completion_unsupported(req)
     if isinstance(req, ResponsesRequest):
@@ -142,8 +146,46 @@ def _stops(body: dict[str, Any]) -> list[str]:
     raise bad_request("'stop' must be a string or a list of up to 4 strings.", param="stop")
 
 
-def sampling_params(req: ApiRequest, default_max_tokens: int) -> SamplingParams:
-    """Validated sampling settings; OpenAI's defaults (temperature 1, top_p 1) where absent."""
+def _logit_bias(body: dict[str, Any], vocab: int) -> dict[int, float]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise bad_request("'logit_bias' must be an object of token id -> bias.", param="logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if not 0 <= token < vocab:
+            raise bad_request(
+                f"'logit_bias' names {key!r}, not a token id (0-{vocab - 1}).", param="logit_bias"
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise bad_request("'logit_bias' values must be numbers between -100 and 100.", param="logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def _logprobs(req: ApiRequest) -> int | None:
+    """Chat's `logprobs` / `top_logprobs` (0-20 alternatives per token); None: not asked for."""
+    if not isinstance(req, ChatRequest):
+        return None
+    body = req.body
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise bad_request("'logprobs' must be a boolean.", param="logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+        raise bad_request("'top_logprobs' must be an integer between 0 and 20.", param="top_logprobs")
+    if top is not None and not wanted:
+        raise bad_request("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def sampling_params(req: ApiRequest, default_max_tokens: int, *, vocab: int) -> SamplingParams:
+    """Validated sampling settings; OpenAI's defaults (temperature 1, top_p 1) where absent. The
+    grammar (tools, response_format) is the caller's to add."""
     body = req.body
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -158,4 +200,8 @@ def sampling_params(req: ApiRequest, default_max_tokens: int) -> SamplingParams:
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         seed=seed,
         stop=[] if isinstance(req, ResponsesRequest) else _stops(body),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body, vocab),
+        logprobs=_logprobs(req),
     )

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from local_runner.prompt import PromptError, check_fits, fit_turn
+from local_runner.prompt import PLAIN, PromptError, PromptFormat, check_fits, fit_turn
 
 from ..errors import APIError
 from ..limits import max_chars_per_token, precheck_prompt
@@ -49,7 +49,9 @@ class PromptBuilder:
             self._chars_per_token[model] = per_token
         return per_token
 
-    async def chat(self, model: str, messages: Sequence[dict[str, Any]], reserve: int) -> RenderedPrompt:
+    async def chat(
+        self, model: str, messages: Sequence[dict[str, Any]], reserve: int, chat: PromptFormat = PLAIN
+    ) -> RenderedPrompt:
         """The conversation through the model's chat template, `reserve` tokens left for the answer; a
         prompt that certainly cannot fit is refused before tokenizing."""
         limit = self.engine.context_limit(model)
@@ -69,6 +71,7 @@ class PromptBuilder:
                 limit=limit,
                 reserve=reserve,
                 truncate=self.truncate,
+                chat=chat,
             )
             return RenderedPrompt(ids, dropped + len(messages) - len(kept))
 

@@ -17,27 +17,38 @@ A local turn, for every API and every engine:
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from aiohttp import web
 
 from kvtier.tier_names import TIERS, Tier
 from local_runner.jobs import Failed, Finished, FirstToken, GenerationRequest
+from local_runner.prompt import PromptFormat, render_prompt
 
 from ..errors import APIError
 from ..headers import CacheLevel
 from ..openai import responses as responses_wire
 from ..openai.requests import ApiRequest, ChatRequest, CompletionRequest, ResponsesRequest
 from ..session_index import SessionIndex, SessionRecord
-from ..settings import Settings, replica_id
+from ..settings import Settings, chat_templates, replica_id
 from ..tenant import ANONYMOUS, tenant_of
 from ..turn import Turn
-from .answers import AnswerFormat, ChatFormat, CompletionFormat, ResponsesFormat, write_answer
+from .answers import Answer, ChatAnswer, CompletionAnswer, ResponsesAnswer, write_answer
 from .engine import Engine, OverShare, QueueFull
-from .options import sampling_params, unsupported_reason
+from .options import ChatSetup, sampling_params, unsupported_reason
 from .prompts import PromptBuilder, RenderedPrompt
 from .response_store import ResponseStore, StoredResponse
+from .structured import response_format_grammar
+from .tools import (
+    ToolCallParser,
+    ToolRequest,
+    detect_parser,
+    forced_call_grammar,
+    renders_tools,
+    tool_request,
+)
 
 if TYPE_CHECKING:
     from local_runner.runner import RunnerStats
@@ -93,6 +104,8 @@ class LocalServing:
         overflow: UpstreamFallback | None = None,
         upstream_model: str = "",
         max_stored_responses: int = 10_000,
+        chat_templates: Mapping[str, str] | None = None,
+        tool_call_parsers: Mapping[str, str] | None = None,
     ) -> None:
         self.engine = engine
         self.index = index
@@ -103,10 +116,35 @@ class LocalServing:
         self.overflow = overflow  # None: a full queue is a 503
         self.upstream_model = upstream_model  # the model the upstream serves too ("": none)
         self.responses = ResponseStore(index, max_stored_responses)
+        self._templates = dict(chat_templates or {})  # served model -> its chat template's text
+        self._parsers = dict(tool_call_parsers or {})  # served model -> its tool-call format
+        self._setups: dict[str, ChatSetup] = {}
+
+    def setup(self, model: str) -> ChatSetup:
+        """What the model's chat template does (looked at once per model: two renders of a probe)."""
+        found = self._setups.get(model)
+        if found is None:
+            template = self._templates.get(model)
+            tokenizer = self.engine.tokenizer(model)
+
+            def render(messages: list[dict[str, Any]], tools: tuple[dict[str, Any], ...]) -> list[int]:
+                return render_prompt(tokenizer, messages, PromptFormat(tools, template))
+
+            source = template or str(getattr(tokenizer, "chat_template", "") or "")
+            parser = self._parsers.get(model) or detect_parser(source)
+            tools = renders_tools(render, [{"role": "user", "content": "hi"}])
+            found = self._setups[model] = ChatSetup(template, tools, parser)
+        return found
 
     @classmethod
     def from_settings(
-        cls, engine: Engine, settings: Settings, index: SessionIndex, *, overflow: UpstreamFallback | None
+        cls,
+        engine: Engine,
+        settings: Settings,
+        index: SessionIndex,
+        *,
+        overflow: UpstreamFallback | None,
+        base_dir: Path,
     ) -> LocalServing:
         """The serving layer above `engine`, configured from settings: the same for every engine."""
         upstream = settings.llm_endpoint
@@ -121,6 +159,8 @@ class LocalServing:
             overflow=overflow,
             upstream_model=upstream.model if upstream.base_url else "",
             max_stored_responses=settings.proxy.max_stored_responses,
+            chat_templates=chat_templates(settings, base_dir),
+            tool_call_parsers=settings.local_runner.tool_call_parsers,
         )
 
     # -- the seam's questions ------------------------------------------------------------------------
@@ -128,7 +168,7 @@ class LocalServing:
     def supports(self, req: ApiRequest) -> str | None:
         if not self.engine.serves(req.model):
             return f"model {req.model!r} is not served locally"
-        return unsupported_reason(req)
+        return unsupported_reason(req, self.setup(req.model))
 
     def load(self) -> int:
         return self.engine.load()
@@ -156,13 +196,25 @@ class LocalServing:
 
     # -- one turn --------------------------------------------------------------------------------------
 
-    async def _render(self, req: ApiRequest, reserve: int) -> RenderedPrompt:
+    async def _render(self, req: ApiRequest, reserve: int, tools: ToolRequest | None) -> RenderedPrompt:
         if isinstance(req, CompletionRequest):
             assert req.prompt is not None  # supports() sent a batch of prompts elsewhere
             return await self.prompts.text(req.model, req.prompt, reserve)
         if isinstance(req, ChatRequest | ResponsesRequest):
-            return await self.prompts.chat(req.model, req.messages, reserve)
+            rendered_tools = tools.tools if tools is not None and tools.choice != "none" else ()
+            chat = PromptFormat(rendered_tools, self.setup(req.model).template)
+            return await self.prompts.chat(req.model, req.messages, reserve, chat)
         raise TypeError(f"no local serving for {type(req).__name__}")
+
+    def _grammar(self, req: ApiRequest, tools: ToolRequest | None) -> str | None:
+        """The grammar the answer is decoded under: a forced tool call, else response_format's JSON."""
+        if tools is not None and tools.choice in ("required", "named"):
+            parser = self.setup(req.model).parser
+            assert parser is not None  # supports() sent tools without a parser elsewhere
+            return forced_call_grammar(tools, parser)
+        if isinstance(req, ChatRequest):
+            return response_format_grammar(req.body)
+        return None
 
     def _may_overflow(self, req: ApiRequest) -> bool:
         """Whether a miss at a full queue may go upstream instead. Never a Responses turn: its id (and
@@ -175,8 +227,11 @@ class LocalServing:
         )
 
     async def handle(self, request: web.Request, req: ApiRequest, turn: Turn) -> web.StreamResponse:
-        sampling = sampling_params(req, self.default_max_tokens)
-        rendered = await self._render(req, sampling.max_tokens)
+        tools = tool_request(req.body) if isinstance(req, ChatRequest) else None
+        vocab = len(self.engine.tokenizer(req.model))
+        sampling = sampling_params(req, self.default_max_tokens, vocab=vocab)
+        sampling.grammar = self._grammar(req, tools)
+        rendered = await self._render(req, sampling.max_tokens, tools)
         # A Responses turn continues the conversation its previous response holds.
         named = req.previous_response_id if isinstance(req, ResponsesRequest) else None
         record = await self.index.get(turn.tenant, named or turn.session) if self.reuse else None
@@ -214,16 +269,16 @@ class LocalServing:
                 position_shift=first.position_shift,
                 at=first.at,
             )
-            answer = self._answer_format(req, turn)
+            answer = self._answer(req, turn, tools, sampling.logprobs is not None)
 
-            async def on_finish(done: Finished, text: str) -> None:
-                await self._finish(req, turn, answer, done, text)
+            async def on_finish(done: Finished) -> None:
+                await self._finish(req, turn, answer, done)
 
             return await write_answer(request, answer, turn.headers(), events, on_finish)
         finally:
             await events.aclose()  # a turn left before its end (client gone, error) is cancelled
 
-    def _answer_format(self, req: ApiRequest, turn: Turn) -> AnswerFormat:
+    def _answer(self, req: ApiRequest, turn: Turn, tools: ToolRequest | None, logprobs: bool) -> Answer:
         fingerprint = f"fp_attnstore_{self.engine.fingerprint(req.model)}"
         if isinstance(req, ResponsesRequest):
             shape = responses_wire.ResponseShape(
@@ -234,13 +289,34 @@ class LocalServing:
                 previous_response_id=req.previous_response_id,
                 store=req.store,
             )
-            return ResponsesFormat(shape, stream=req.stream)
-        kind = CompletionFormat if isinstance(req, CompletionRequest) else ChatFormat
-        return kind(req.model, fingerprint, stream=req.stream, include_usage=req.include_usage)
+            return ResponsesAnswer(shape, stream=req.stream)
+        if isinstance(req, CompletionRequest):
+            return CompletionAnswer(
+                req.model, fingerprint, stream=req.stream, include_usage=req.include_usage
+            )
+        parser = self.setup(req.model).parser
+        return ChatAnswer(
+            req.model,
+            fingerprint,
+            stream=req.stream,
+            include_usage=req.include_usage,
+            tools=ToolCallParser(parser) if tools is not None and tools.choice != "none" and parser else None,
+            decode=self._decoder(req.model) if logprobs else None,
+        )
 
-    async def _finish(
-        self, req: ApiRequest, turn: Turn, answer: AnswerFormat, done: Finished, text: str
-    ) -> None:
+    def _decoder(self, model: str) -> Callable[[int], str]:
+        tokenizer = self.engine.tokenizer(model)  # this thread's (the event loop's)
+        cache: dict[int, str] = {}
+
+        def decode(token: int) -> str:
+            text = cache.get(token)
+            if text is None:
+                text = cache[token] = str(tokenizer.decode([token]))
+            return text
+
+        return decode
+
+    async def _finish(self, req: ApiRequest, turn: Turn, answer: Answer, done: Finished) -> None:
         """The turn is complete: its log line and metrics, the session indexed for its next turn, and a
         Responses turn's response stored by its id (before the client sees the end)."""
         turn.finish(prompt=done.prompt_tokens, reused=done.reused_tokens)
@@ -253,8 +329,6 @@ class LocalServing:
             )
             await self.index.put(turn.tenant, turn.session, record)
         if isinstance(req, ResponsesRequest) and req.store:
-            conversation = [*req.conversation, {"role": "assistant", "content": text}]
-            stored = StoredResponse(
-                model=req.model, conversation=conversation, response=answer.body(done, text)
-            )
+            conversation = [*req.conversation, {"role": "assistant", "content": answer.text}]
+            stored = StoredResponse(model=req.model, conversation=conversation, response=answer.body(done))
             await self.responses.put(turn.tenant, turn.session, stored)

@@ -1,0 +1,279 @@
+"""Tool calls served locally: the request's `tools` and `tool_choice` validated, the model's output parsed
+into OpenAI `tool_calls` (streamed or not), and the grammar that makes `required` and a named choice
+always a valid call.
+
+How a model writes a call depends on its family; a parser per format:
+
+    hermes       <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>   (Qwen2.5/3, Hermes, SmolLM3)
+    llama3_json  {"name": ..., "parameters": {...}}  as the whole answer  (Llama 3.1+ JSON tool calling)
+    mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]  (Mistral)
+
+`detect_parser` picks one from the chat template's text where it can; `local_runner.tool_call_parsers`
+names it otherwise. The grammar of a forced call writes it exactly as the model's template renders an
+assistant's tool call (`tojson`'s separators, the schema's key order), so the next turn, whose history
+holds that call, re-renders to the same tokens and reuses its KV.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import bad_request
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+# What jinja's tojson writes in transformers' chat templates (json.dumps' defaults).
+SEPARATORS = (", ", ": ")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = ""
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return call if index is None else {"index": index, **call}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# -- the request --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A chat request's tools, validated: what the template renders and what the answer may call."""
+
+    tools: tuple[dict[str, Any], ...]  # as the client sent them (the template renders these)
+    choice: str  # "none" | "auto" | "required" | "named"
+    named: str | None = None  # the function a named choice forces
+    parallel: bool = True
+
+    def schemas(self) -> dict[str, dict[str, Any]]:
+        return {
+            t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools
+        }
+
+
+def tool_request(body: dict[str, Any]) -> ToolRequest | None:
+    """The request's tools and tool_choice, validated (400 naming the param); None without tools."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("'tool_choice' needs 'tools'.", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be an array.", param="tools")
+    names = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise bad_request(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}.", param="tools"
+            )
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{i}].function.name must be a non-empty string.", param="tools")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON Schema object.", param="tools")
+        names.add(fn["name"])
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_request("'parallel_tool_calls' must be a boolean.", param="parallel_tool_calls")
+    if choice is None or choice in ("none", "auto", "required"):
+        return ToolRequest(tuple(tools), choice or "auto", parallel=parallel)
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(fn, dict) or choice.get("type") != "function" or fn.get("name") not in names:
+        raise bad_request(
+            "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+            "{'name': <one of the tools>}}.",
+            param="tool_choice",
+        )
+    return ToolRequest(tuple(tools), "named", fn["name"], parallel)
+
+
+# -- the grammar of a forced call ------------------------------------------------------------------------
+
+
+def _call_schema(name: str, parameters: dict[str, Any], arguments_key: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, arguments_key: parameters},
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+    }
+
+
+def forced_call_grammar(req: ToolRequest, parser: str) -> str:
+    """xgrammar EBNF for one call of the named function (or of any tool, for `required`), written as
+    the parser's format writes it. A schema xgrammar cannot compile is the client's 400."""
+    import xgrammar as xgr
+
+    schemas = req.schemas()
+    names = [req.named] if req.named else list(schemas)
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    variants = [_call_schema(n, schemas[n], key) for n in names]
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    try:
+        call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS)
+    except (RuntimeError, ValueError) as exc:
+        raise bad_request(f"a tool's parameters schema cannot be compiled: {exc}", param="tools") from None
+    if parser == "hermes":
+        return str(xgr.Grammar.concat(_literal("<tool_call>\n"), call, _literal("\n</tool_call>")))
+    if parser == "mistral":
+        return str(xgr.Grammar.concat(_literal("[TOOL_CALLS]["), call, _literal("]")))
+    return str(call)
+
+
+def _literal(text: str) -> Any:
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+
+
+# -- parsing the output ----------------------------------------------------------------------------------
+
+
+def _calls_from_json(doc: Any, arguments_key: str) -> list[ToolCall] | None:
+    """Calls from a decoded call object or array of them; None when it is not one."""
+    items = doc if isinstance(doc, list) else [doc]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        arguments = item.get(arguments_key, item.get("arguments", {}))
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        calls.append(ToolCall(item["name"], text, new_call_id()))
+    return calls
+
+
+@dataclass
+class Parsed:
+    """What the parser has to say so far: text the client may see, and completed calls."""
+
+    content: str = ""
+    calls: tuple[ToolCall, ...] = ()
+
+
+class ToolCallParser:
+    """Streaming parser: `feed` text as it comes, `finish` at the end. Text that could be the start of a
+    call is held back until it is known; a call goes out whole once its end is seen."""
+
+    def __init__(self, parser: str) -> None:
+        self.format = parser
+        self._buffer = ""
+        self._in_call = False
+        self.calls: list[ToolCall] = []
+        self.content: list[str] = []
+
+    # The markers of each format: (start, end); an end of None runs to the end of the answer.
+    _MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "mistral": ("[TOOL_CALLS]", None)}
+
+    def feed(self, text: str) -> Parsed:
+        self._buffer += text
+        if self.format == "llama3_json":
+            return self._feed_whole_answer()
+        start, end = self._MARKERS[self.format]
+        out = Parsed()
+        calls: list[ToolCall] = []
+        while True:
+            if not self._in_call:
+                at = self._buffer.find(start)
+                if at == -1:
+                    keep = _partial_suffix(self._buffer, start)
+                    out.content += self._buffer[: len(self._buffer) - keep]
+                    self._buffer = self._buffer[len(self._buffer) - keep :]
+                    break
+                out.content += self._buffer[:at]
+                self._buffer = self._buffer[at + len(start) :]
+                self._in_call = True
+            if end is None:
+                break  # the call runs to the end of the answer
+            at = self._buffer.find(end)
+            if at == -1:
+                break
+            calls.extend(self._parse(self._buffer[:at]) or [])
+            self._buffer = self._buffer[at + len(end) :]
+            self._in_call = False
+        out.calls = tuple(calls)
+        self._record(out)
+        return out
+
+    def _feed_whole_answer(self) -> Parsed:
+        """llama3_json: a call is the whole answer, so text that starts like one waits for the end."""
+        stripped = self._buffer.lstrip()
+        if not stripped or stripped.startswith(("{", "<|python_tag|>")):
+            return Parsed()
+        out = Parsed(self._buffer)
+        self._buffer = ""
+        self.format = "text"  # no call in this answer
+        self._record(out)
+        return out
+
+    def finish(self) -> Parsed:
+        """The end of the answer: a call still open is parsed (a format whose calls run to the end, or a
+        cut-off answer: then it is text); what was held back goes out."""
+        rest, self._buffer = self._buffer, ""
+        out = Parsed()
+        if self.format == "llama3_json":
+            body = rest.strip().removeprefix("<|python_tag|>")
+            calls = self._parse(body)
+            out = Parsed(calls=tuple(calls)) if calls else Parsed(rest)
+        elif self._in_call:
+            calls = self._parse(rest)
+            start = self._MARKERS[self.format][0] if self.format in self._MARKERS else ""
+            out = Parsed(calls=tuple(calls)) if calls else Parsed(start + rest)
+        else:
+            out = Parsed(rest)
+        self._record(out)
+        return out
+
+    def _parse(self, text: str) -> list[ToolCall] | None:
+        try:
+            doc = json.loads(text.strip())
+        except ValueError:
+            return None
+        return _calls_from_json(doc, "parameters" if self.format == "llama3_json" else "arguments")
+
+    def _record(self, out: Parsed) -> None:
+        if out.content:
+            self.content.append(out.content)
+        self.calls.extend(out.calls)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that is a start of `marker` (held back: it may be one)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def detect_parser(template: str) -> str | None:
+    """The tool-call format a chat template writes, when its text says so."""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or '"parameters"' in template:
+        return "llama3_json"
+    return None
+
+
+def renders_tools(render: Any, probe: Sequence[dict[str, Any]]) -> bool:
+    """Whether a template writes tools at all: the same conversation rendered with a tool and without
+    differs (`render(messages, tools)` -> token ids)."""
+    tool = {"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}
+    return bool(render(probe, (tool,)) != render(probe, ()))

@@ -1,0 +1,300 @@
+"""Agents on the local model (issue 27): tools, structured outputs and logprobs served locally, with the
+official openai client over loopback HTTP and the real model (float32).
+
+SmolLM2's own chat template renders no tools, so these tests give it a ChatML template with Hermes
+`<tool_call>` blocks (tests/templates/chatml_tools.jinja, as Qwen2.5's) through
+`local_runner.chat_templates`; the parser (hermes) is detected from it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from tests.model_fixture import MODEL
+
+pytestmark = pytest.mark.model
+
+TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search_files",
+        "description": "Search the repository for a text.",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string", "maxLength": 40}, "limit": {"type": "integer"}},
+            "required": ["query"],
+        },
+    },
+}
+TOOLS = [WEATHER, SEARCH]
+
+
+@pytest.fixture
+def server(local_proxy):
+    return local_proxy(local_runner={"kv_chunk_tokens": 16, "chat_templates": {MODEL: str(TEMPLATE)}})
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="agent", max_retries=0, timeout=120)
+
+
+def streamed_calls(stream) -> tuple[str, list[dict], str | None]:
+    """(content, tool calls, finish reason) accumulated from chunks as the openai client's users do."""
+    content, calls, reason = [], {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.content:
+                content.append(choice.delta.content)
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
+                entry["id"] += call.id or ""
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            reason = choice.finish_reason or reason
+    return "".join(content), [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_named_tool_choice_returns_a_valid_call_of_that_function(server, stream):
+    check_named_tool_choice(client(server), stream)
+
+
+def check_named_tool_choice(c: openai.OpenAI, stream: bool) -> None:
+    messages = [{"role": "user", "content": "Is it warm in Lisbon today?"}]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=60
+    )
+    if stream:
+        raw = c.chat.completions.with_raw_response.create(**kwargs, stream=True)
+        _, calls, reason = streamed_calls(raw.parse())
+    else:
+        raw = c.chat.completions.with_raw_response.create(**kwargs)
+        done = raw.parse()
+        reason = done.choices[0].finish_reason
+        calls = [
+            {"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
+            for t in done.choices[0].message.tool_calls or []
+        ]
+    assert raw.headers["X-AttentionStore-Route"] == "local"
+    assert reason == "tool_calls" and len(calls) == 1
+    assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_required_always_returns_a_call(server):
+    check_required(client(server))
+
+
+def check_required(c: openai.OpenAI) -> None:
+    for question in ("Hello!", "Find where the parser is defined.", "What is 2 + 2?"):
+        done = c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": question}],
+            tools=TOOLS,
+            tool_choice="required",
+            temperature=0,
+            max_tokens=60,
+        )
+        calls = done.choices[0].message.tool_calls
+        assert done.choices[0].finish_reason == "tool_calls" and calls
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        jsonschema.validate(json.loads(calls[0].function.arguments), schemas[calls[0].function.name])
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        # Bounded, as a schema for a small greedy model must be: unbounded, it may repeat to max_tokens.
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+    },
+    "required": ["name", "age", "hobbies"],
+    "additionalProperties": False,
+}
+SUBJECTS = [
+    "a pilot",
+    "a baker",
+    "a child",
+    "a painter",
+    "a doctor",
+    "a farmer",
+    "a poet",
+    "a sailor",
+    "a teacher",
+    "a chef",
+    "an astronaut",
+    "a gardener",
+    "a nurse",
+    "a musician",
+    "a librarian",
+    "a plumber",
+    "a dancer",
+    "a judge",
+    "a fisherman",
+    "a student",
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_json_schema_answers_validate_on_every_prompt(server, stream):
+    check_json_schema(client(server), stream)
+
+
+def check_json_schema(c: openai.OpenAI, stream: bool) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    valid = 0
+    for subject in SUBJECTS:
+        kwargs = dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Describe {subject} as JSON."}],
+            response_format=fmt,
+            temperature=0,
+            max_tokens=64,
+        )
+        if stream:
+            text = "".join(
+                chunk.choices[0].delta.content or ""
+                for chunk in c.chat.completions.create(**kwargs, stream=True)
+                if chunk.choices
+            )
+        else:
+            text = c.chat.completions.create(**kwargs).choices[0].message.content
+        jsonschema.validate(json.loads(text), PERSON)
+        valid += 1
+    assert valid == len(SUBJECTS)
+
+
+def test_json_object_and_an_invalid_schema(server):
+    check_json_object_and_an_invalid_schema(client(server))
+
+
+def check_json_object_and_an_invalid_schema(c: openai.OpenAI) -> None:
+    done = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Reply with a JSON object: the key color, the value red."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=100,
+    )
+    assert done.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(done.choices[0].message.content), dict)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format=bad
+        )
+    assert refused.value.body["param"] == "response_format"
+
+
+def test_top_logprobs_give_five_alternatives_with_the_chosen_token_first(server):
+    check_top_logprobs(client(server))
+
+
+def check_top_logprobs(c: openai.OpenAI) -> None:
+    done = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name three colors."}],
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    entries = done.choices[0].logprobs.content
+    assert len(entries) == done.usage.completion_tokens
+    assert "".join(e.token for e in entries) == done.choices[0].message.content
+    for entry in entries:
+        assert len(entry.top_logprobs) == 5
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+        assert entry.logprob <= 0 and [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+
+
+def test_logit_bias_steers_the_answer_and_a_bad_one_is_refused(server, smollm):
+    c = client(server)
+    messages = [{"role": "user", "content": "Name three colors."}]
+    (banana,) = smollm.tokenizer.encode(" banana", add_special_tokens=False)
+    raw = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=3, logit_bias={str(banana): 100}
+    )
+    assert raw.headers["X-AttentionStore-Route"] == "local"
+    assert raw.parse().choices[0].message.content.startswith(" banana banana")
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.chat.completions.create(model=MODEL, messages=messages, logit_bias={"99999999": 5})
+    assert refused.value.body["param"] == "logit_bias"
+
+
+def tool_result(turn: int) -> str:
+    """A tool's output of a few hundred tokens, different each turn."""
+    rows = [
+        f"file src/module_{turn}_{i}.py line {10 * i}: def handler_{i}(request): return {i}"
+        for i in range(12)
+    ]
+    return "\n".join(rows)
+
+
+def test_a_twenty_turn_agent_loop_reuses_its_whole_history_every_turn(server):
+    check_agent_loop(client(server), turns=20, chunk=16)
+
+
+def check_agent_loop(c: openai.OpenAI, *, turns: int, chunk: int) -> None:
+    """An agent's turns: a forced call, its ~300-token result appended, again; every later turn an
+    l0/l1 hit that reuses its whole history up to the last partial KV chunk (`chunk` tokens)."""
+    messages: list[dict] = [
+        {"role": "system", "content": "You are a coding agent. Use the tools."},
+        {"role": "user", "content": "Find every handler in the repository."},
+    ]
+    ratios, previous = [], 0
+    for turn in range(turns):
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "search_files"}},
+            temperature=0,
+            max_tokens=60,
+            extra_body={"session_id": "agent-loop"},
+        )
+        done = raw.parse()
+        assert done.choices[0].finish_reason == "tool_calls", done.choices[0].message.content
+        call = done.choices[0].message.tool_calls[0]
+        usage = done.usage
+        if turn:
+            assert raw.headers["X-AttentionStore-Cache"] in ("l0_hit", "l1_hit")
+            # The whole history is reused, up to the call the model answered with: re-rendered, the call
+            # is the same text, but tokenized canonically it may differ from the ids it was generated
+            # as (' {' '"' against ' {"'), and reuse runs to the first difference.
+            assert usage.prompt_tokens_details.cached_tokens >= previous - chunk, (turn, previous, usage)
+            ratios.append(usage.prompt_tokens_details.cached_tokens / usage.prompt_tokens)
+        previous = usage.prompt_tokens
+        messages.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": call.id, "type": "function", "function": call.function.model_dump()}],
+            }
+        )
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": tool_result(turn)})
+    # Each turn adds a tool result of ~300 tokens: from the fifth turn on the history is most of it.
+    assert min(ratios[4:]) >= 0.8, ratios

@@ -1,0 +1,32 @@
+"""The sampler's logits processors on made-up logits: OpenAI's penalties and logit_bias, the grammar
+mask, and log-probabilities (the model's own, before any processor)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from local_runner.params import SamplingParams
+from local_runner.sampling import Sampler
+
+
+def test_frequency_and_presence_penalties_push_a_repeated_token_down():
+    logits = torch.tensor([3.0, 2.5, 0.0])
+    plain = Sampler(SamplingParams(temperature=0))
+    assert [plain(logits) for _ in range(3)] == [0, 0, 0]
+    frequency = Sampler(SamplingParams(temperature=0, frequency_penalty=1.0))
+    assert [frequency(logits) for _ in range(3)] == [0, 1, 0]  # 3-1 < 2.5, then 2.5-1 < 3-1
+    presence = Sampler(SamplingParams(temperature=0, presence_penalty=2.0))
+    assert [presence(logits) for _ in range(3)] == [0, 1, 0]  # once seen, each is 2 lower: 1 vs 0.5
+
+
+def test_logit_bias_and_logprobs_of_the_raw_logits():
+    logits = torch.tensor([3.0, 1.0, 0.0])
+    sampler = Sampler(SamplingParams(temperature=0, logit_bias={2: 10.0}, logprobs=2))
+    assert sampler(logits) == 2
+    last = sampler.last
+    assert last is not None and last.token == 2
+    expected = logits - torch.logsumexp(logits, 0)
+    assert math.isclose(last.logprob, float(expected[2]), rel_tol=1e-6)
+    assert [t for t, _ in last.top] == [0, 1]  # the model's own ranking, not the biased one
