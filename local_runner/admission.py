@@ -32,7 +32,8 @@ from .jobs import Job
 
 
 class QueueFull(RuntimeError):
-    """No running slot and no queue place left: the caller answers 503 or sends the request upstream."""
+    """The engine cannot take the turn now (no running slot, no queue place): the serving layer sends
+    it upstream when the upstream serves the model, else answers 503. Raised by both engines."""
 
 
 class OverShare(RuntimeError):
@@ -41,6 +42,12 @@ class OverShare(RuntimeError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+def counts_as_hit(reusable_tokens: int, prompt_tokens: int) -> bool:
+    """At a full queue a turn with at least half its prompt stored still runs here, where it is cheap
+    (cost-aware routing): the one rule both engines apply."""
+    return reusable_tokens * 2 >= prompt_tokens
 
 
 @dataclass(frozen=True)

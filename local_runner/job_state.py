@@ -62,6 +62,7 @@ class JobState:
         *,
         rope: RopeShift | None = None,
         shift_stats: ShiftStats | None = None,
+        fork_source: JobState | None = None,
     ):
         self.job = job
         self.lm = lm
@@ -86,12 +87,19 @@ class JobState:
         self.status = Status.PREFILLING
         self.finish_reason: str | None = None
         self._retried_lookup = False  # recompute() looks the prompt up again once
+        # n > 1: the running job whose slot holds this prompt's KV (read once, in begin()).
+        self._fork_source = fork_source
+        self.forked = 0  # prompt tokens whose KV was copied from that job's slot
 
     # -- start ----------------------------------------------------------------------------------------
 
     def begin(self) -> None:
         """Find the stored prefix and start restoring it into the slot (never waits for it)."""
         req = self.job.request
+        if self._fork_source is not None:
+            self._begin_forked(self._fork_source)
+            self._fork_source = None
+            return
         if self.store is None:
             return
         # The last prompt token is always computed: its logits choose the first answer token.
@@ -107,6 +115,19 @@ class JobState:
         self.fed_ids = list(req.prompt_ids[: match.tokens])
         self.reused = match.tokens
         self.status = Status.RESTORING
+
+    def _begin_forked(self, source: JobState) -> None:
+        """Copy the prompt's KV (but its last token, whose logits each answer computes for itself) from
+        the slot of the job answering the same prompt: a copy per layer instead of a prefill."""
+        n = len(self.job.request.prompt_ids) - 1
+        for (k, v), (source_k, source_v) in zip(
+            self.pool.slot_layers(self.slot), source.pool.slot_layers(source.slot), strict=True
+        ):
+            k[:, :, :n].copy_(source_k[:, :, :n])
+            v[:, :, :n].copy_(source_v[:, :, :n])
+        self.kv.length = n
+        self.fed_ids = list(self.job.request.prompt_ids[:n])
+        self.reused = self.forked = n
 
     def _begin_shifted(self, in_place: int) -> bool:
         """A truncated turn: restore the session's previous sequence and move the kept turns' KV to their
@@ -234,6 +255,8 @@ class JobState:
     def _reused_by_tier(self) -> dict[str, int]:
         """Reused tokens per tier, every tier named ({} on a miss); of a shifted restore, only the tokens
         the prompt uses."""
+        if self.forked:
+            return {"l0": self.forked}  # from another job's slot, in the runner's device memory
         if not (self.match and self.reused):
             return {}
         if self.realigned is not None:

@@ -34,6 +34,9 @@ class GenerationRequest:
     may_overflow: bool = False
     # sampling.grammar compiled for this model's tokenizer (the engine's `Grammars.compile`), or None.
     compiled_grammar: object | None = None
+    # n > 1: another answer to `fork_of`'s prompt, submitted once that job has its first token; its
+    # prompt's KV is copied from that job's slot (the prompt is computed once for the n answers).
+    fork_of: GenerationRequest | None = None
 
 
 @dataclass
@@ -73,6 +76,21 @@ class Failed:
 
 
 Event = FirstToken | TextDelta | Finished | Failed
+
+
+class EngineError(Exception):
+    """A turn an engine refuses before its first event (its server refused the request, or cannot be
+    reached): the serving layer answers the client with this status, message, code and error type
+    (None: the status's usual type)."""
+
+    def __init__(
+        self, status: int, message: str, *, code: str | None = None, type_: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.type = type_
 
 
 class Outbox:

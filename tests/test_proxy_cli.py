@@ -9,6 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from proxy.settings import make_l2_folder, parse_settings
 from tests.conftest import settings_dict
 from tests.servers import http_request
 from tests.support.threaded_server import free_port
@@ -138,3 +139,24 @@ def test_a_removed_setting_stops_start_up_saying_what_replaced_it(tmp_path, sect
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1
     assert f"{section}.{key} was removed" in lines[0] and "delete the key" in lines[0]
+
+
+def test_validating_makes_nothing_and_start_up_makes_the_l2_folder(tmp_path):
+    raw = settings_dict(tmp_path)
+    settings = parse_settings(orjson.dumps(raw), tmp_path, env={})
+    assert not (tmp_path / "kv").exists()  # validation has no side effects
+    assert make_l2_folder(settings, tmp_path) == tmp_path / "kv"
+    assert (tmp_path / "kv").is_dir() and (tmp_path / "kv").stat().st_mode & 0o777 == 0o700
+
+
+def test_an_l2_folder_that_cannot_be_made_stops_start_up_with_one_line_naming_the_key(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = tmp_path / "bad.json"
+    raw = settings_dict(tmp_path)
+    raw["attention_store"]["tiering"]["l2_disk"]["path"] = str(blocker / "kv")
+    bad.write_bytes(orjson.dumps(raw))
+    r = run_cli("serve", "--settings", str(bad), "--port", "0", cwd=tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "attention_store.tiering.l2_disk.path: cannot create" in lines[0] and str(blocker) in lines[0]

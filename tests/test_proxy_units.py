@@ -147,26 +147,36 @@ def test_cache_labels_come_from_kvtiers_tiers():
     assert "X-AttentionStore-Tiers" not in upstream and upstream["X-AttentionStore-Replica"] == "r1"
 
 
-def _proxy_imports() -> dict[str, set[str]]:
-    """Every module of proxy/ -> the proxy modules it imports (at the top or inside a function)."""
-    root = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("proxy", "local_runner", "vllm_engine", "kvtier")  # attnstore's own, above to below
+IN_VLLM = ("vllm_engine.connector", "vllm_engine.link")  # what vLLM's own processes import
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+    """Every module of `package` -> the modules of attnstore's packages it imports (at the top, inside a
+    function, or for type checking only), relative imports resolved."""
     graph: dict[str, set[str]] = {}
-    for path in (root / "proxy").rglob("*.py"):
-        parts = list(path.relative_to(root).with_suffix("").parts)
-        package = parts[:-1]
+    for path in (ROOT / package).rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        pkg = parts[:-1]
         if parts[-1] == "__init__":
-            parts = package
+            parts = pkg
         deps: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                base = package[: len(package) - node.level + 1] if node.level else []
+                base = pkg[: len(pkg) - node.level + 1] if node.level else []
                 target = ".".join(base + ([node.module] if node.module else []))
-                names = [f"{target}.{a.name}" for a in node.names] if not node.module else [target]
-                deps.update(n for n in names if n.startswith("proxy"))
+                deps.update([f"{target}.{a.name}" for a in node.names] if not node.module else [target])
             elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names if a.name.startswith("proxy"))
-        graph[".".join(parts)] = deps - {".".join(parts)}
+                deps.update(a.name for a in node.names)
+        own = {d for d in deps if d.split(".")[0] in PACKAGES}
+        graph[".".join(parts)] = own - {".".join(parts)}
     return graph
+
+
+def _proxy_imports() -> dict[str, set[str]]:
+    """Every module of proxy/ -> the proxy modules it imports."""
+    return {m: {d for d in deps if d.split(".")[0] == "proxy"} for m, deps in _imports("proxy").items()}
 
 
 def test_imports_in_proxy_point_one_way():
@@ -183,11 +193,38 @@ def test_imports_in_proxy_point_one_way():
     assert {m for m in reaching if not m.startswith("proxy.local")} == {"proxy.app"}
 
 
+def _importers(package: str, forbidden: set[str]) -> dict[str, set[str]]:
+    """The modules of `package` that import one of the `forbidden` packages, with what they import."""
+    found = {}
+    for module, deps in _imports(package).items():
+        bad = {d for d in deps if d.split(".")[0] in forbidden}
+        if bad:
+            found[module] = bad
+    return found
+
+
+def test_the_packages_import_one_way_proxy_then_the_engines_then_kvtier():
+    """proxy -> the engines (local_runner, vllm_engine) -> kvtier, never back up: only the proxy imports
+    the proxy; the vLLM engine may use the embedded engine's events and helpers, not the other way; the
+    connector and its link (they run inside vLLM) import only kvtier; kvtier knows no engine at all."""
+    assert {"local_runner.jobs", "vllm_engine.engine", "vllm_engine.link.wire", "kvtier.store"} <= {
+        m for p in PACKAGES for m in _imports(p)
+    }
+    assert _importers("local_runner", {"proxy", "vllm_engine"}) == {}
+    assert _importers("vllm_engine", {"proxy"}) == {}
+    in_vllm = {m: d for m, d in _imports("vllm_engine").items() if m.startswith(IN_VLLM)}
+    assert "vllm_engine.connector" in in_vllm and "vllm_engine.link.worker" in in_vllm
+    outside = {(m, d) for m, deps in in_vllm.items() for d in deps if not d.startswith(("kvtier", *IN_VLLM))}
+    assert outside == set()
+    assert _importers("kvtier", {"proxy", "local_runner", "vllm_engine"}) == {}
+    mentions = [p for p in (ROOT / "kvtier").rglob("*.py") if "vllm" in p.read_text().lower()]
+    assert mentions == [], "kvtier names no engine"
+
+
 def test_an_upstream_only_proxy_loads_no_torch():
     """The proxy's core (tier names included, from kvtier's torch-free module) imports without torch:
     an upstream-only proxy starts in a blink. Only proxy.local, built when local serving is on, loads it."""
     code = (
         "import sys, proxy.app, proxy.cli; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     )
-    root = Path(__file__).resolve().parents[1]
-    assert subprocess.run([sys.executable, "-c", code], cwd=root, timeout=60).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0

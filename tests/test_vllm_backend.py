@@ -1,5 +1,5 @@
 """The vLLM engine's backend without vLLM: the proxy in front of a fake vLLM that speaks /v1/completions
-as vLLM does and reports to the real store (its socket, its service) as kvtier's connector does.
+as vLLM does and reports to the real store (its socket, its service) as attnstore's connector does.
 
 What the backend owes every local turn whatever the engine: the X-AttentionStore-* headers from the
 store's report, usage.cached_tokens equal to the reused tokens, the log line, the session indexed with
@@ -21,18 +21,21 @@ import torch
 from aiohttp import web
 
 from kvtier import KVLayout, KVStore, StoreConfig
-from kvtier.vllm_link.service import StoreService
-from kvtier.vllm_link.wire import AsyncStoreClient, StoreClient, StoreSocketServer
+from local_runner.jobs import EngineError, GenerationRequest
 from local_runner.loader import ThreadTokenizers
+from local_runner.params import SamplingParams
 from local_runner.prompt import render_prompt
 from proxy.app import build_app
-from proxy.local_vllm.turns import ServedModel, VllmEngine
 from proxy.serving.service import LocalServing
 from proxy.session_index import MemorySessionIndex, SessionRecord
 from proxy.upstream import upstream_fallback
 from tests.servers import http_request
+from tests.support.threaded_server import free_port
 from tests.support.waiting import wait_until
 from tests.tiny_model import tiny_tokenizer
+from vllm_engine.engine import ServedModel, VllmEngine
+from vllm_engine.link.service import StoreService
+from vllm_engine.link.wire import AsyncStoreClient, StoreClient, StoreSocketServer
 
 MODEL = "tiny"
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
@@ -88,7 +91,7 @@ class FakeVllm:
 
 
 class FakeServer:
-    """What the backend reads of a running vLLM (engine.VllmServer): its URL and its store's socket."""
+    """What the backend reads of a running vLLM (server.VllmServer): its URL and its store's socket."""
 
     def __init__(self, url: str, socket: Path) -> None:
         self.name, self.url, self.store = MODEL, url, StoreClient(socket)
@@ -235,7 +238,37 @@ def test_vllms_refusal_is_the_clients_400(stack):
     url, fake, *_ = stack
     fake.refuse = "max_tokens is too large"
     result = chat(url, TURN_1)
-    assert result.status == 400 and "max_tokens is too large" in result.json()["error"]["message"]
+    error = result.json()["error"]
+    assert result.status == 400 and error["message"] == "vLLM: max_tokens is too large"
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_request")
+
+
+def test_an_unreachable_vllm_is_an_engine_error_the_client_gets_as_a_502(tmp_path):
+    """The engine raises no proxy error: its EngineError is what the serving layer answers (502)."""
+    served = ServedModel(
+        MODEL,
+        FakeServer(f"http://127.0.0.1:{free_port()}", tmp_path / "none.sock"),
+        ThreadTokenizers(tiny_tokenizer()),
+        512,
+        "float32",
+        None,
+    )  # type: ignore[arg-type]
+    engine = VllmEngine({MODEL: served}, max_running=1, max_queue=1)
+
+    async def first() -> None:
+        events = engine.run(
+            GenerationRequest(MODEL, [1, 2, 3], SamplingParams(max_tokens=4)), may_overflow=False
+        )
+        try:
+            await anext(events)
+        finally:
+            await events.aclose()
+            await engine.aclose()
+
+    with pytest.raises(EngineError) as err:
+        asyncio.run(first())
+    assert (err.value.status, err.value.type, err.value.code) == (502, "server_error", None)
+    assert err.value.message.startswith(f"vLLM for {MODEL} failed: ")
 
 
 def test_keys_another_replica_stored_for_the_session_go_to_vllm_as_hints(stack):

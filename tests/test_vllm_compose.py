@@ -39,3 +39,11 @@ def test_the_image_is_vllms_own_with_the_pinned_release():
     dockerfile = (REPO / service()["build"]["dockerfile"]).read_text()
     assert "FROM vllm/vllm-openai:v0.32.0" in dockerfile
     assert 'CMD ["attnstore", "serve"' in dockerfile and "ENTRYPOINT []" in dockerfile
+
+
+def test_both_images_hold_the_proxy_both_engines_and_the_store():
+    """vllm_engine/ sits beside local_runner/ and kvtier/: an image without it could not serve on vLLM."""
+    for dockerfile in (REPO / "Dockerfile", REPO / service()["build"]["dockerfile"]):
+        text = dockerfile.read_text()
+        for package in ("proxy", "local_runner", "vllm_engine", "kvtier"):
+            assert f"COPY {package} ./{package}" in text, (dockerfile.name, package)

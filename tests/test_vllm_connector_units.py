@@ -18,10 +18,11 @@ import torch
 
 from kvtier import KVLayout, KVStore, StoreConfig
 from kvtier.chunk_folder import chunk_path
-from kvtier.vllm_link.discover import find_page_map
-from kvtier.vllm_link.options import ConnectorOptions, model_fingerprint
-from kvtier.vllm_link.pages import PagedLayer, PageGeometry
-from kvtier.vllm_link.plan import (
+from tests.support.paged_kernels import cpu_keys_by_dim
+from vllm_engine.link.discover import find_page_map
+from vllm_engine.link.options import ConnectorOptions, model_fingerprint
+from vllm_engine.link.pages import PagedLayer, PageGeometry
+from vllm_engine.link.plan import (
     DEFAULT_NAMESPACE,
     StoredChunk,
     block_slots,
@@ -35,11 +36,10 @@ from kvtier.vllm_link.plan import (
     parse_params,
     tokens_by_tier,
 )
-from kvtier.vllm_link.scheduler import SchedulerSide
-from kvtier.vllm_link.service import StoreService
-from kvtier.vllm_link.wire import StoreClient, StoreError, StoreSocketServer
-from kvtier.vllm_link.worker import WorkerSide
-from tests.support.paged_kernels import cpu_keys_by_dim
+from vllm_engine.link.scheduler import SchedulerSide
+from vllm_engine.link.service import StoreService
+from vllm_engine.link.wire import StoreClient, StoreError, StoreSocketServer
+from vllm_engine.link.worker import WorkerSide
 
 LAYERS, HEADS, DIM, BLOCK, CHUNK, BLOCKS = 3, 2, 4, 4, 8, 32
 
@@ -125,7 +125,7 @@ def test_the_fingerprint_changes_with_the_weights_the_dtype_and_the_kernels(tmp_
 
 
 def test_the_connector_module_imports_without_vllm():
-    module = importlib.import_module("kvtier.vllm_connector")
+    module = importlib.import_module("vllm_engine.connector")
     assert module.PINNED_VLLM == "0.32.0"
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ImportError, match="needs vLLM"):

@@ -1,5 +1,5 @@
 """attnstore on real vLLM (local_runner.engine "vllm"): `python -m proxy serve` processes, each starting
-vLLM CPU with kvtier's connector and vLLM's own prefix cache off, so every reused token comes from the
+vLLM CPU with attnstore's connector and vLLM's own prefix cache off, so every reused token comes from the
 store. Greedy answers must equal vLLM recomputing the same prompt (the same server, the store not
 consulted), in bfloat16 and float32 (the CPU kernel lays KV out differently in each) and at the default
 dtype; a restart of attnstore and vLLM keeps the hits (from L2); a corrupt L2 file is a miss;
@@ -26,11 +26,11 @@ from transformers import AutoTokenizer
 
 from local_runner.loader import ModelLoadError
 from local_runner.prompt import render_prompt
-from proxy.local_vllm.engine import check_vllm_python
 from tests import test_agents as agents
 from tests.model_fixture import MODEL, REPO
 from tests.support.processes import ReplicaProcess
 from tests.support.waiting import wait_until
+from vllm_engine.server import check_vllm_python
 
 pytestmark = pytest.mark.model
 # Absolute (not resolved: a venv's python is a link), as the servers start in temporary folders.

@@ -1,4 +1,4 @@
-"""Paged KV layouts, found through the kernel that writes them (kvtier/vllm_link/discover.py, pages.py).
+"""Paged KV layouts, found through the kernel that writes them (vllm_engine/link/discover.py, pages.py).
 
 Each layout the connector supports is built as a synthetic kernel writing plain tensors (tests/support/
 paged_kernels.py; no vLLM, no GPU): vLLM's described page in three stride orders (what FLASH_ATTN,
@@ -25,10 +25,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvtier.vllm_link.discover import LayoutError, WriteKV, check_round_trip, find_page_map, tagged_map
-from kvtier.vllm_link.pages import PagedLayer, PageGeometry
-from kvtier.vllm_link.plan import block_slots
-from kvtier.vllm_link.setup import kernel_name, kernel_writer, paged_layers
 from tests.support.paged_kernels import (
     blocks_differ,
     cpu_amx,
@@ -42,6 +38,10 @@ from tests.support.paged_kernels import (
     split_kv,
     vllm_page,
 )
+from vllm_engine.link.discover import LayoutError, WriteKV, check_round_trip, find_page_map, tagged_map
+from vllm_engine.link.pages import PagedLayer, PageGeometry
+from vllm_engine.link.plan import block_slots
+from vllm_engine.link.setup import kernel_name, kernel_writer, paged_layers
 
 REPO = Path(__file__).resolve().parent.parent
 HEADS, DIM, BLOCK, BLOCKS = 2, 16, 32, 9
@@ -276,8 +276,8 @@ REAL_KERNELS = textwrap.dedent(
     """
     import json, sys, torch
     from vllm import _custom_ops as ops
-    from kvtier.vllm_link.discover import find_page_map, LayoutError
-    from kvtier.vllm_link.pages import PagedLayer, PageGeometry
+    from vllm_engine.link.discover import find_page_map, LayoutError
+    from vllm_engine.link.pages import PagedLayer, PageGeometry
 
     def writer(isa):
         def write(key, value, cache, slots):  # CPU_ATTN's do_kv_cache_update, with the ISA given

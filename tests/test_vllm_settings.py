@@ -12,9 +12,10 @@ import msgspec
 import orjson
 import pytest
 
-from proxy.local_vllm.launch import vllm_dtype, vllm_launch
-from proxy.local_vllm.stream import Delta, Finish, StreamError, Usage, parse_event
+from proxy.local_vllm.config import vllm_config
 from proxy.settings import Settings, SettingsError, parse_settings
+from vllm_engine.launch import vllm_dtype, vllm_launch
+from vllm_engine.stream import Delta, Finish, StreamError, Usage, parse_event
 
 VLLM = {"engine": "vllm", "vllm_args": ["-O0"]}
 # What the vLLM engine does not implement is set to false (their defaults are true).
@@ -108,7 +109,7 @@ def test_the_settings_become_vllms_arguments_and_the_connectors_options(tmp_path
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
-    launch = vllm_launch(s, "m", folder, 8123, "/tmp/x.sock", base_dir=tmp_path)
+    launch = vllm_launch(vllm_config(s, tmp_path), "m", folder, 8123, "/tmp/x.sock")
     argv = launch.argv
     assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
@@ -121,7 +122,7 @@ def test_the_settings_become_vllms_arguments_and_the_connectors_options(tmp_path
     assert arg("--max-model-len") == "2048"  # the model's own context is below max_context_tokens
     assert argv[-1] == "-O0"
     transfer = json.loads(arg("--kv-transfer-config"))
-    assert transfer["kv_connector_module_path"] == "kvtier.vllm_connector"
+    assert transfer["kv_connector_module_path"] == "vllm_engine.connector"
     assert transfer["kv_load_failure_policy"] == "recompute"
     extra = transfer["kv_connector_extra_config"]
     assert extra["l1_capacity_bytes"] == 64 << 20 and extra["l2_path"] == str(tmp_path / "kv")
@@ -132,7 +133,7 @@ def test_the_settings_become_vllms_arguments_and_the_connectors_options(tmp_path
 
 def test_without_the_store_vllm_runs_without_the_connector(tmp_path):
     s = settings(tmp_path, local_runner=VLLM, attention_store={"enabled": False, **NO_DECOUPLE})
-    launch = vllm_launch(s, "m", tmp_path, 8123, "/tmp/x.sock", base_dir=tmp_path)
+    launch = vllm_launch(vllm_config(s, tmp_path), "m", tmp_path, 8123, "/tmp/x.sock")
     assert "--kv-transfer-config" not in launch.argv and launch.socket_path is None
 
 

@@ -17,14 +17,14 @@ from local_runner.runner import Runner
 
 from ..serving.service import LocalServing, UpstreamFallback
 from ..session_index import SessionIndex
-from ..settings import Settings, resolve_path
+from ..settings import EmbeddedRunnerSettings, Settings, resolve_path, runner_settings
 from .engine import EmbeddedEngine
 
 MB = 1024 * 1024
 
 
 def load_models(settings: Settings, base_dir: Path | None = None) -> dict[str, LoadedModel]:
-    lr = settings.local_runner
+    lr = runner_settings(settings, EmbeddedRunnerSettings)
     base = base_dir or Path.cwd()
     return {
         name: load_model(
@@ -80,7 +80,7 @@ def build_local_backend(
     base_dir: Path | None = None,
 ) -> LocalServing:
     """The stores, the runner (its worker starts here) and the serving layer; `close()` stops them all."""
-    lr = settings.local_runner
+    lr = runner_settings(settings, EmbeddedRunnerSettings)
     if lr.compile:
         use_cache_dir(resolve_path(lr.cache_dir, base_dir or Path.cwd()) / "compiled")
     preload = settings.attention_store.preload

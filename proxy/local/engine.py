@@ -1,10 +1,11 @@
 """The embedded engine (`local_runner.Runner`) seen by the serving layer (`proxy.serving.engine.Engine`).
 
 The runner decides admission (local_runner/admission.py: one queue per client, round-robin, bounded by
-running slots + queue places); this adapter only translates: its QueueFull and OverShare into the
-serving layer's, and cost-aware routing's look. When the upstream could serve a turn, the turn is looked
-up first: a hit (at least half its prompt stored) that finds the queue full takes the place of a waiting
-miss, which goes upstream instead (its first event is `queue_full`), so hits stay where they are cheap.
+running slots + queue places); its QueueFull and OverShare are the serving layer's own, so they pass
+through as they are. This adapter adds cost-aware routing's look: when the upstream could serve a turn,
+the turn is looked up first: a hit (at least half its prompt stored) that finds the queue full takes the
+place of a waiting miss, which goes upstream instead (its first event is `queue_full`), so hits stay
+where they are cheap.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from local_runner import admission
+from local_runner.admission import QueueFull, counts_as_hit
 from local_runner.grammars import Grammars
 from local_runner.jobs import Event, Failed, GenerationRequest
 from local_runner.runner import Runner, RunnerStats
-
-from ..serving.engine import OverShare, QueueFull, counts_as_hit
 
 
 class EmbeddedEngine:
@@ -55,12 +54,7 @@ class EmbeddedEngine:
             reusable = await asyncio.to_thread(self.runner.reusable_tokens, gen)
             hit = counts_as_hit(reusable, len(gen.prompt_ids))
             gen = dataclasses.replace(gen, may_overflow=not hit)
-        try:
-            job = self.runner.submit(gen, hit=hit)
-        except admission.QueueFull as exc:
-            raise QueueFull(str(exc)) from None
-        except admission.OverShare as exc:
-            raise OverShare(str(exc), exc.retry_after_s) from None
+        job = self.runner.submit(gen, hit=hit)  # QueueFull / OverShare: the serving layer answers them
         try:
             async for event in job.events():
                 if isinstance(event, Failed) and event.code == "queue_full":  # a hit took its place

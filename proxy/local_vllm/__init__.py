@@ -1,14 +1,10 @@
-"""Local serving on vLLM (`local_runner.engine: "vllm"`): the second engine under the serving layer.
+"""Local serving on the vLLM engine (`local_runner.engine: "vllm"`), the proxy's side of it: from settings
+to the engine (`vllm_engine/`, beside `local_runner/`) and the serving layer above it.
 
-    settings_check.py  which settings the vLLM engine honours (torch-free; settings.py calls it)
-    launch.py          the vLLM server command for one model, from settings
-    engine.py          starting, waiting for and stopping that server (a process group)
-    stream.py          vLLM's completion stream, read as text deltas, the finish and the usage
-    turns.py           the engine (proxy.serving.engine.Engine): a turn's ids to vLLM, its stream back
-                       as the serving layer's events, what it reused from the store's report
-    build.py           everything above from settings
+    settings_check.py  the values the vLLM engine refuses (torch-free; settings.py calls it)
+    config.py          settings.json -> the engine's `VllmConfig` (torch-free)
+    build.py           the engine's servers started from that config, the serving layer over its
+                       `VllmEngine`
 
-Each local model gets its own vLLM OpenAI server on loopback, loaded with kvtier's AttnStoreConnector
-(kvtier/vllm_connector.py), whose store answers on a UNIX socket the engine reads each turn's reuse
-from. Only settings_check is imported by the proxy's core; the rest loads when the engine is chosen.
+Only settings_check is imported by the proxy's core; the rest loads when the engine is chosen.
 """

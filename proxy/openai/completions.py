@@ -31,14 +31,8 @@ class TextCompletionIds:
         }
 
 
-def choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
-
-
-def completion(
-    ids: TextCompletionIds, text: str, finish_reason: str, usage: dict[str, Any]
-) -> dict[str, Any]:
-    return {**ids.envelope([choice(text, finish_reason)]), "usage": usage}
+def choice(text: str, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+    return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
 
 
 def chunk(
@@ -46,12 +40,13 @@ def chunk(
     text: str | None,
     finish_reason: str | None = None,
     *,
+    index: int = 0,
     include_usage: bool = False,
     usage: dict[str, Any] | None = None,
 ) -> bytes:
     """One SSE event; `text=None` makes the usage-only chunk (empty choices) that ends the stream when
     `stream_options.include_usage` is set (other chunks then carry `"usage": null`)."""
-    body = ids.envelope([] if text is None else [choice(text, finish_reason)])
+    body = ids.envelope([] if text is None else [choice(text, finish_reason, index)])
     if include_usage:
         body["usage"] = usage
     return b"data: " + orjson.dumps(body) + b"\n\n"

@@ -9,19 +9,21 @@ does mid-stream. Each API's format records the answer (`add`) and says what byte
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from local_runner.jobs import Event, Failed, Finished, TextDelta
+from local_runner.jobs import Failed, Finished, TextDelta
 from local_runner.params import TokenLogprob
 
 from ..errors import APIError, error_body
 from ..openai import chat as chat_wire
 from ..openai import completions as completion_wire
 from ..openai import responses as responses_wire
+from .choices import Indexed
 from .tools import ToolCall, ToolCallParser
 
 OnFinish = Callable[[Finished], Awaitable[None]]
@@ -42,37 +44,61 @@ def _usage(done: Finished) -> dict[str, Any]:
 
 
 class Answer:
-    """The answer so far, and the bytes of each moment of its stream (the base writes no stream)."""
+    """The answer so far (one text per choice: n > 1 answers at once), and the bytes of each moment of
+    its stream. Subclasses say what those bytes are."""
 
-    def __init__(self, *, stream: bool) -> None:
+    def __init__(self, *, stream: bool, n: int = 1) -> None:
         self.stream = stream
-        self.parts: list[str] = []
+        self.parts: list[list[str]] = [[] for _ in range(n)]
+        self.done: list[Finished | None] = [None] * n
 
     @property
     def text(self) -> str:
-        return "".join(self.parts)
+        """The first choice's text (the Responses API has one)."""
+        return self.choice_text(0)
+
+    def choice_text(self, index: int) -> str:
+        return "".join(self.parts[index])
 
     def opening(self) -> bytes:
         return b""
 
-    def add(self, delta: TextDelta) -> bytes:
+    def add(self, index: int, delta: TextDelta) -> bytes:
         """Record a delta; the stream's bytes for it (b"" when nothing can go out yet)."""
-        self.parts.append(delta.text)
+        self.parts[index].append(delta.text)
         return b""
 
-    def closing(self, done: Finished) -> bytes:
+    def end_choice(self, index: int, done: Finished) -> bytes:
+        """Record that a choice ended; the stream's bytes for it."""
+        self.done[index] = done
+        return b""
+
+    def closing(self, total: Finished) -> bytes:
+        """Every choice has ended: the stream's last bytes (`total`: the turn's tokens, all choices)."""
         raise NotImplementedError
 
     def failure(self, message: str) -> bytes:
         return sse_error(message)
 
-    def body(self, done: Finished) -> dict[str, Any]:
+    def body(self, total: Finished) -> dict[str, Any]:
         raise NotImplementedError
+
+
+class _Choice:
+    """One chat choice's own state: its tool-call parser, its log-probabilities, the calls it sent."""
+
+    def __init__(self, tools: ToolCallParser | None) -> None:
+        self.tools = tools
+        self.logprobs: list[dict[str, Any]] = []
+        self.calls_sent = 0
+
+    def reason(self, done: Finished) -> str:
+        return "tool_calls" if self.tools is not None and self.tools.calls else _finish_reason(done)
 
 
 class ChatAnswer(Answer):
     """Chat Completions: content deltas, tool calls parsed out of the text (when the request has tools),
-    log-probabilities per token (when asked)."""
+    log-probabilities per token (when asked), n choices."""
 
     def __init__(
         self,
@@ -81,81 +107,90 @@ class ChatAnswer(Answer):
         *,
         stream: bool,
         include_usage: bool,
-        tools: ToolCallParser | None = None,
+        n: int = 1,
+        tools: Callable[[], ToolCallParser] | None = None,
         decode: Decode | None = None,
     ) -> None:
-        super().__init__(stream=stream)
+        super().__init__(stream=stream, n=n)
         self.ids = chat_wire.CompletionIds(model=model, system_fingerprint=fingerprint)
         self.include_usage = include_usage
-        self.tools = tools
+        self.choices = [_Choice(tools() if tools is not None else None) for _ in range(n)]
         self.decode = decode  # set when logprobs were asked for
-        self.logprobs: list[dict[str, Any]] = []
-        self._calls_sent = 0
 
-    def _chunk(self, delta: dict[str, Any] | None, reason: str | None = None, **kw: Any) -> bytes:
-        return chat_wire.chunk(self.ids, delta, reason, include_usage=self.include_usage, **kw)
+    def _chunk(self, index: int, delta: dict[str, Any], reason: str | None = None, **kw: Any) -> bytes:
+        return chat_wire.chunk(self.ids, delta, reason, index=index, include_usage=self.include_usage, **kw)
 
     def opening(self) -> bytes:
-        return self._chunk({"role": "assistant", "content": "", "refusal": None})
+        role = {"role": "assistant", "content": "", "refusal": None}
+        return b"".join(self._chunk(i, role) for i in range(len(self.choices)))
 
-    def add(self, delta: TextDelta) -> bytes:
-        super().add(delta)
-        entries = self._logprob_entries(delta.logprobs)
+    def add(self, index: int, delta: TextDelta) -> bytes:
+        super().add(index, delta)
+        choice = self.choices[index]
+        entries = self._logprob_entries(choice, delta.logprobs)
         content = delta.text
         calls: tuple[ToolCall, ...] = ()
-        if self.tools is not None:
-            parsed = self.tools.feed(delta.text)
+        if choice.tools is not None:
+            parsed = choice.tools.feed(delta.text)
             content, calls = parsed.content, parsed.calls
         if not self.stream:
             return b""
         out = b""
         if content or entries:
-            out += self._chunk({"content": content}, logprobs_=_logprobs_body(entries))
+            out += self._chunk(index, {"content": content}, logprobs_=_logprobs_body(entries))
+        return out + self._calls(index, calls)
+
+    def _calls(self, index: int, calls: Sequence[ToolCall]) -> bytes:
+        choice, out = self.choices[index], b""
         for call in calls:
-            out += self._chunk({"tool_calls": [call.to_openai(self._calls_sent)]})
-            self._calls_sent += 1
+            out += self._chunk(index, {"tool_calls": [call.to_openai(choice.calls_sent)]})
+            choice.calls_sent += 1
         return out
 
-    def _logprob_entries(self, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+    def _logprob_entries(self, choice: _Choice, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
         if self.decode is None or not logprobs:
             return []
         entries = [_logprob_entry(lp, self.decode) for lp in logprobs]
-        self.logprobs.extend(entries)
+        choice.logprobs.extend(entries)
         return entries
 
-    def _rest(self) -> tuple[str, list[ToolCall]]:
-        """What the tool parser still held at the end: (content, calls)."""
-        if self.tools is None:
-            return "", []
-        parsed = self.tools.finish()
-        return parsed.content, list(parsed.calls)
+    def end_choice(self, index: int, done: Finished) -> bytes:
+        super().end_choice(index, done)
+        choice = self.choices[index]
+        content = ""
+        calls: tuple[ToolCall, ...] = ()
+        if choice.tools is not None:
+            parsed = choice.tools.finish()  # what the parser still held
+            content, calls = parsed.content, parsed.calls
+        if not self.stream:
+            return b""
+        out = self._chunk(index, {"content": content}) if content else b""
+        return out + self._calls(index, calls) + self._chunk(index, {}, choice.reason(done))
 
-    def _reason(self, done: Finished) -> str:
-        if self.tools is not None and self.tools.calls:
-            return "tool_calls"
-        return _finish_reason(done)
-
-    def closing(self, done: Finished) -> bytes:
-        content, calls = self._rest()
-        out = self._chunk({"content": content}) if content else b""
-        for call in calls:
-            out += self._chunk({"tool_calls": [call.to_openai(self._calls_sent)]})
-            self._calls_sent += 1
-        out += self._chunk({}, self._reason(done))
+    def closing(self, total: Finished) -> bytes:
+        out = b""
         if self.include_usage:
-            out += chat_wire.chunk(self.ids, None, include_usage=True, usage_=_usage(done))
+            out = chat_wire.chunk(self.ids, None, include_usage=True, usage_=_usage(total))
         return out + chat_wire.DONE
 
-    def body(self, done: Finished) -> dict[str, Any]:
-        self._rest()
-        message: dict[str, Any] = {"role": "assistant", "content": self.text, "refusal": None}
-        if self.tools is not None:
-            content = "".join(self.tools.content)
-            message["content"] = content if content or not self.tools.calls else None
-            if self.tools.calls:
-                message["tool_calls"] = [c.to_openai() for c in self.tools.calls]
-        logprobs = _logprobs_body(self.logprobs) if self.decode is not None else None
-        return chat_wire.completion(self.ids, message, self._reason(done), _usage(done), logprobs)
+    def body(self, total: Finished) -> dict[str, Any]:
+        bodies = []
+        for index, choice in enumerate(self.choices):
+            done = self.done[index]
+            assert done is not None
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": self.choice_text(index),
+                "refusal": None,
+            }
+            if choice.tools is not None:
+                content = "".join(choice.tools.content)
+                message["content"] = content if content or not choice.tools.calls else None
+                if choice.tools.calls:
+                    message["tool_calls"] = [c.to_openai() for c in choice.tools.calls]
+            logprobs = _logprobs_body(choice.logprobs) if self.decode is not None else None
+            bodies.append(chat_wire.choice(index, message, choice.reason(done), logprobs))
+        return chat_wire.completion(self.ids, bodies, _usage(total))
 
 
 def _logprob_entry(lp: TokenLogprob, decode: Decode) -> dict[str, Any]:
@@ -171,25 +206,38 @@ def _logprobs_body(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 class CompletionAnswer(Answer):
-    def __init__(self, model: str, fingerprint: str, *, stream: bool, include_usage: bool) -> None:
-        super().__init__(stream=stream)
+    def __init__(
+        self, model: str, fingerprint: str, *, stream: bool, include_usage: bool, n: int = 1
+    ) -> None:
+        super().__init__(stream=stream, n=n)
         self.ids = completion_wire.TextCompletionIds(model=model, system_fingerprint=fingerprint)
         self.include_usage = include_usage
 
-    def add(self, delta: TextDelta) -> bytes:
-        super().add(delta)
+    def add(self, index: int, delta: TextDelta) -> bytes:
+        super().add(index, delta)
         if not (self.stream and delta.text):
             return b""
-        return completion_wire.chunk(self.ids, delta.text, include_usage=self.include_usage)
+        return completion_wire.chunk(self.ids, delta.text, index=index, include_usage=self.include_usage)
 
-    def closing(self, done: Finished) -> bytes:
-        out = completion_wire.chunk(self.ids, "", _finish_reason(done), include_usage=self.include_usage)
+    def end_choice(self, index: int, done: Finished) -> bytes:
+        super().end_choice(index, done)
+        if not self.stream:
+            return b""
+        reason = _finish_reason(done)
+        return completion_wire.chunk(self.ids, "", reason, index=index, include_usage=self.include_usage)
+
+    def closing(self, total: Finished) -> bytes:
+        out = b""
         if self.include_usage:
-            out += completion_wire.chunk(self.ids, None, include_usage=True, usage=_usage(done))
+            out = completion_wire.chunk(self.ids, None, include_usage=True, usage=_usage(total))
         return out + chat_wire.DONE
 
-    def body(self, done: Finished) -> dict[str, Any]:
-        return completion_wire.completion(self.ids, self.text, _finish_reason(done), _usage(done))
+    def body(self, total: Finished) -> dict[str, Any]:
+        choices = []
+        for index, done in enumerate(self.done):
+            assert done is not None
+            choices.append(completion_wire.choice(self.choice_text(index), _finish_reason(done), index))
+        return {**self.ids.envelope(choices), "usage": _usage(total)}
 
 
 class ResponsesAnswer(Answer):
@@ -212,14 +260,14 @@ class ResponsesAnswer(Answer):
             + self._part_event("response.content_part.added", part=responses_wire.output_text(""))
         )
 
-    def add(self, delta: TextDelta) -> bytes:
-        super().add(delta)
+    def add(self, index: int, delta: TextDelta) -> bytes:
+        super().add(index, delta)
         if not (self.stream and delta.text):
             return b""
         return self._part_event("response.output_text.delta", delta=delta.text, logprobs=[])
 
-    def closing(self, done: Finished) -> bytes:
-        final = self.body(done)
+    def closing(self, total: Finished) -> bytes:
+        final = self.body(total)
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         text = self.text
         return (
@@ -233,10 +281,10 @@ class ResponsesAnswer(Answer):
         failed = self.shape.response("failed", [], error={"code": "server_error", "message": message})
         return self.shape.event("response.failed", response=failed)
 
-    def body(self, done: Finished) -> dict[str, Any]:
-        incomplete = done.finish_reason == "length"
+    def body(self, total: Finished) -> dict[str, Any]:
+        incomplete = total.finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
-        usage = responses_wire.usage(done.prompt_tokens, done.completion_tokens, done.reused_tokens)
+        usage = responses_wire.usage(total.prompt_tokens, total.completion_tokens, total.reused_tokens)
         return self.shape.response(
             status,
             [self.shape.message(self.text, status)],
@@ -249,11 +297,20 @@ def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
 
+def total_of(done: list[Finished | None]) -> Finished:
+    """The turn's end over its choices: the first's prompt, reuse and saved chunks; every choice's
+    answer tokens (OpenAI's usage counts them all)."""
+    first = done[0]
+    assert first is not None and all(d is not None for d in done)
+    completion = sum(d.completion_tokens for d in done if d is not None)
+    return dataclasses.replace(first, completion_tokens=completion)
+
+
 async def write_answer(
     request: web.Request,
     answer: Answer,
     headers: dict[str, str],
-    events: AsyncIterator[Event],
+    events: AsyncIterator[Indexed],
     on_finish: OnFinish,
 ) -> web.StreamResponse:
     """The client's answer from the turn's events after its first token (see the module docstring)."""
@@ -265,22 +322,26 @@ async def write_answer(
         opening = answer.opening()
         if opening:
             await stream.write(opening)
-    async for event in events:
+    async for index, event in events:
+        out = b""
         if isinstance(event, TextDelta):
-            out = answer.add(event)
-            if stream is not None and out:
-                await stream.write(out)
+            out = answer.add(index, event)
         elif isinstance(event, Finished):
-            await on_finish(event)
-            if stream is None:
-                return web.json_response(answer.body(event), headers=headers, dumps=_dumps)
-            await stream.write(answer.closing(event))
-            await stream.write_eof()
-            return stream
+            out = answer.end_choice(index, event)
+            if all(d is not None for d in answer.done):
+                total = total_of(answer.done)
+                await on_finish(total)
+                if stream is None:
+                    return web.json_response(answer.body(total), headers=headers, dumps=_dumps)
+                await stream.write(out + answer.closing(total))
+                await stream.write_eof()
+                return stream
         elif isinstance(event, Failed):
             if stream is None:
                 raise APIError(max(event.status, 500), event.message, type_="server_error")
             await stream.write(answer.failure(event.message))
             await stream.write_eof()
             return stream
+        if stream is not None and out:
+            await stream.write(out)
     raise AssertionError("the engine's events ended without Finished or Failed")

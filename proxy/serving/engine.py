@@ -1,5 +1,5 @@
-"""The seam below the serving layer: what an engine (the embedded `local_runner`, or vLLM with kvtier's
-connector) does for a turn, and nothing above it.
+"""The seam below the serving layer: what an engine (the embedded `local_runner`, or `vllm_engine`: vLLM
+with attnstore's connector) does for a turn, and nothing above it.
 
 The serving layer renders the prompt, admits the turn, writes the answer in whichever API shape the
 client asked for, and records the session; an engine takes "run this turn on these token ids" and
@@ -12,6 +12,13 @@ which the vLLM engine produces too:
     Finished           the end: finish reason, token counts, reused tokens, the chunk keys it saved
     Failed             an error; before FirstToken it is the client's answer (status, code)
 
+and what its first step may raise instead of an event (`local_runner.admission`, `local_runner.jobs`:
+below the proxy, which neither engine imports):
+
+    QueueFull          no place for the turn now: upstream when the upstream serves the model, else 503
+    OverShare          past the client's fair share of the queue while others wait: 429, Retry-After
+    EngineError        refused (its status, message, code): the client's answer as it says
+
 A new API or option is then written once, above this seam, for both engines.
 """
 
@@ -20,31 +27,15 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from local_runner.jobs import Event, GenerationRequest
+from local_runner.admission import OverShare, QueueFull, counts_as_hit
+from local_runner.jobs import EngineError, Event, GenerationRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from local_runner.runner import RunnerStats
 
-
-class QueueFull(RuntimeError):
-    """The engine cannot take the turn now (no running slot, no queue place): the serving layer sends
-    it upstream when the upstream serves the model, else answers 503."""
-
-
-class OverShare(RuntimeError):
-    """This client holds its fair share of the queue while other clients wait: 429 with Retry-After."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-def counts_as_hit(reusable_tokens: int, prompt_tokens: int) -> bool:
-    """At a full queue a turn with at least half its prompt stored still runs here, where it is cheap
-    (cost-aware routing): the one rule both engines apply."""
-    return reusable_tokens * 2 >= prompt_tokens
+__all__ = ["Engine", "EngineError", "OverShare", "QueueFull", "counts_as_hit"]
 
 
 class Engine(Protocol):
@@ -73,8 +64,8 @@ class Engine(Protocol):
     def run(self, gen: GenerationRequest, *, may_overflow: bool) -> AsyncGenerator[Event, None]:
         """The turn's events, FirstToken (or Failed) first. The first step raises QueueFull when the
         engine cannot take the turn (`may_overflow`: the upstream could serve it instead, so a hit may
-        displace it) and OverShare past the client's share. Closing the iterator before its end
-        cancels the turn."""
+        displace it), OverShare past the client's share, and EngineError when it refuses the turn.
+        Closing the iterator before its end cancels the turn."""
         ...
 
     def load(self) -> int: ...

@@ -26,10 +26,13 @@ class ChatSetup:
     parser: str | None = None
 
 
-def _common_unsupported(body: dict[str, Any]) -> str | None:
-    n = body.get("n")
-    if n not in (None, 1):
-        return "n > 1 is not served locally"
+MAX_N = 16  # answers of one local turn (each takes a running slot); more go upstream
+
+
+def _common_unsupported(req: ApiRequest) -> str | None:
+    n = req.body.get("n")
+    if n not in (None, 1) and (isinstance(req, ResponsesRequest) or n > MAX_N):
+        return f"n > {1 if isinstance(req, ResponsesRequest) else MAX_N} is not served locally"
     return None
 
 
@@ -96,7 +99,7 @@ def _responses_unsupported(req: ResponsesRequest) -> str | None:
 
 def unsupported_reason(req: ApiRequest, setup: ChatSetup) -> str | None:
     """Why the local engines cannot serve this request faithfully, or None when they can."""
-    common = _common_unsupported(req.body)
+    common = _common_unsupported(req)
     if common is not None:
         return common
     if isinstance(req, ChatRequest):

@@ -7,7 +7,8 @@ A local turn, for every API and every engine:
 2. the session's record looked up (another replica's chunk keys are hints for the shared L2; a
    truncated turn's previous keys let its stored KV move);
 3. the engine runs it (`engine.Engine.run`); at its first step a full queue sends a miss upstream when
-   the upstream serves the model (cost-aware routing), else 503; past a client's share, 429;
+   the upstream serves the model (cost-aware routing), else 503; past a client's share, 429; a turn
+   the engine refuses gets the error it names;
 4. at the first token the `Turn` learns what was reused (its X-AttentionStore-* headers go out with
    the answer), and the answer is written in the API's shape (`answers.py`);
 5. before the client sees the end: the log line and metrics (`Turn.finish`), the session indexed with
@@ -16,15 +17,16 @@ A local turn, for every API and every engine:
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from aiohttp import web
 
 from kvtier.tier_names import TIERS, Tier
-from local_runner.jobs import Failed, Finished, FirstToken, GenerationRequest
+from local_runner.jobs import Event, Failed, Finished, FirstToken, GenerationRequest
 from local_runner.prompt import PromptFormat, render_prompt
 
 from ..errors import APIError
@@ -36,7 +38,8 @@ from ..settings import Settings, chat_templates, replica_id
 from ..tenant import ANONYMOUS, tenant_of
 from ..turn import Turn
 from .answers import Answer, ChatAnswer, CompletionAnswer, ResponsesAnswer, write_answer
-from .engine import Engine, OverShare, QueueFull
+from .choices import fan_out
+from .engine import Engine, EngineError, OverShare, QueueFull
 from .options import ChatSetup, sampling_params, unsupported_reason
 from .prompts import PromptBuilder, RenderedPrompt
 from .response_store import ResponseStore, StoredResponse
@@ -258,6 +261,8 @@ class LocalServing:
                 raise APIError(503, f"{exc}; retry later", code="queue_full") from None
             except OverShare as exc:
                 raise too_many(str(exc), exc.retry_after_s) from None
+            except EngineError as exc:
+                raise APIError(exc.status, exc.message, code=exc.code, type_=exc.type) from None
             if isinstance(first, Failed):
                 raise refused(first)
             assert isinstance(first, FirstToken)
@@ -269,16 +274,26 @@ class LocalServing:
                 position_shift=first.position_shift,
                 at=first.at,
             )
-            answer = self._answer(req, turn, tools, sampling.logprobs is not None)
+            n = req.body.get("n") or 1
+            answer = self._answer(req, turn, tools, sampling.logprobs is not None, n)
 
             async def on_finish(done: Finished) -> None:
                 await self._finish(req, turn, answer, done)
 
-            return await write_answer(request, answer, turn.headers(), events, on_finish)
+            def run(fork: GenerationRequest) -> AsyncGenerator[Event, None]:
+                return self.engine.run(fork, may_overflow=False)
+
+            answers = fan_out(first, events, gen, n, run)
+            try:
+                return await write_answer(request, answer, turn.headers(), answers, on_finish)
+            finally:
+                await answers.aclose()  # the n answers' tasks end with it
         finally:
             await events.aclose()  # a turn left before its end (client gone, error) is cancelled
 
-    def _answer(self, req: ApiRequest, turn: Turn, tools: ToolRequest | None, logprobs: bool) -> Answer:
+    def _answer(
+        self, req: ApiRequest, turn: Turn, tools: ToolRequest | None, logprobs: bool, n: int
+    ) -> Answer:
         fingerprint = f"fp_attnstore_{self.engine.fingerprint(req.model)}"
         if isinstance(req, ResponsesRequest):
             shape = responses_wire.ResponseShape(
@@ -292,7 +307,7 @@ class LocalServing:
             return ResponsesAnswer(shape, stream=req.stream)
         if isinstance(req, CompletionRequest):
             return CompletionAnswer(
-                req.model, fingerprint, stream=req.stream, include_usage=req.include_usage
+                req.model, fingerprint, stream=req.stream, include_usage=req.include_usage, n=n
             )
         parser = self.setup(req.model).parser
         return ChatAnswer(
@@ -300,7 +315,10 @@ class LocalServing:
             fingerprint,
             stream=req.stream,
             include_usage=req.include_usage,
-            tools=ToolCallParser(parser) if tools is not None and tools.choice != "none" and parser else None,
+            n=n,
+            tools=functools.partial(ToolCallParser, parser)
+            if tools and tools.choice != "none" and parser
+            else None,
             decode=self._decoder(req.model) if logprobs else None,
         )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.vllm_link.discover import WriteKV
+from vllm_engine.link.discover import WriteKV
 
 
 def _each_slot(slots: torch.Tensor, block_size: int) -> list[tuple[int, int, int]]:

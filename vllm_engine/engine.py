@@ -1,13 +1,14 @@
-"""The vLLM engine seen by the serving layer (`proxy.serving.engine.Engine`): a turn's token ids sent to
-the model's vLLM server, its stream read back as the serving layer's events.
+"""The vLLM engine, as the serving layer sees an engine (`proxy.serving.engine.Engine`): a turn's token
+ids sent to the model's vLLM server, its stream read back as the engine's events (`local_runner.jobs`).
 
 A turn is sent as a streamed /v1/completions of those ids, with the tenant, the session and the turn's
-id in `kv_transfer_params` (kvtier's connector keys the store by them) and the tenant as vLLM's
+id in `kv_transfer_params` (the connector, connector.py, keys the store by them) and the tenant as vLLM's
 `cache_salt` (tenants never share vLLM's own cache either). At the first token the store's report for
 the turn gives the reused tokens per tier (the `FirstToken`); at the end the keys the turn saved come
 with the `Finished`. Admission: vLLM queues what it is sent, so this engine only bounds the turns in
 flight (running + queue places); past them a miss is refused (QueueFull) while a hit (at least half its
-prompt stored) still goes to vLLM, up to twice the bound.
+prompt stored) still goes to vLLM, up to twice the bound. A request vLLM refuses, or a server that
+cannot be reached, is an EngineError (the client's 400, or a 502).
 """
 
 from __future__ import annotations
@@ -26,15 +27,14 @@ from transformers import PreTrainedTokenizerBase
 
 from kvtier import TIERS
 from kvtier.tier_names import tier_rank
-from kvtier.vllm_link.wire import AsyncStoreClient, StoreError, StoreUnavailable
-from local_runner.jobs import Event, Failed, Finished, FirstToken, GenerationRequest, TextDelta
+from local_runner.admission import QueueFull, counts_as_hit
+from local_runner.jobs import EngineError, Event, Failed, Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.loader import ThreadTokenizers
 from local_runner.params import SamplingParams, TokenLogprob
 from local_runner.runner import RunnerStats
 
-from ..errors import APIError
-from ..serving.engine import QueueFull, counts_as_hit
-from .engine import VllmServer
+from .link.wire import AsyncStoreClient, StoreError, StoreUnavailable
+from .server import VllmServer
 from .store_view import forget, store_stats
 from .stream import Delta, Finish, StreamError, Usage, completion_events
 
@@ -142,14 +142,14 @@ class VllmEngine:
             self._cancelled += 1  # the client went away: closing the stream aborts the request in vLLM
             raise
         except aiohttp.ClientError as exc:
-            raise APIError(502, f"vLLM for {gen.model} failed: {exc}", type_="server_error") from None
+            raise EngineError(502, f"vLLM for {gen.model} failed: {exc}", type_="server_error") from None
         finally:
             self._in_flight -= 1
 
     async def _events(
         self, model: ServedModel, gen: GenerationRequest, turn_id: str, stream: AsyncIterator[Any]
     ) -> AsyncIterator[Event]:
-        """vLLM's stream as the serving layer's events: FirstToken when its first chunk arrives (with the
+        """vLLM's stream as the engine's events: FirstToken when its first chunk arrives (with the
         store's report), then text, then Finished with the keys the store saved for the turn."""
         first: FirstToken | None = None
         reason, usage = "stop", Usage(0, 0)
@@ -267,7 +267,7 @@ def _completion_body(model: ServedModel, gen: GenerationRequest, turn_id: str) -
     }
 
 
-async def vllm_error(resp: aiohttp.ClientResponse) -> APIError:
+async def vllm_error(resp: aiohttp.ClientResponse) -> EngineError:
     """vLLM refused the request: its 4xx is the client's (its message passed on), anything else a 502."""
     try:
         body = await resp.json(content_type=None)
@@ -275,5 +275,5 @@ async def vllm_error(resp: aiohttp.ClientResponse) -> APIError:
     except (ValueError, aiohttp.ClientError, AttributeError):
         message = (await resp.text())[:500]
     if 400 <= resp.status < 500:
-        return APIError(400, f"vLLM: {message}", code="invalid_request")
-    return APIError(502, f"vLLM answered {resp.status}: {message}", type_="server_error")
+        return EngineError(400, f"vLLM: {message}", code="invalid_request")
+    return EngineError(502, f"vLLM answered {resp.status}: {message}", type_="server_error")

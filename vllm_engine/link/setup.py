@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from ..config import StoreConfig
-from ..layout import KVLayout
-from ..store import KVStore
+from kvtier.config import StoreConfig
+from kvtier.layout import KVLayout
+from kvtier.store import KVStore
+
 from .discover import LayoutError, WriteKV, find_page_map
 from .options import ConnectorOptions, model_fingerprint
 from .pages import PagedLayer, PageGeometry, PageMap

@@ -23,13 +23,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvtier.vllm_link.wire import StoreClient, StoreError, StoreUnavailable
 from local_runner.loader import ModelLoadError
 
 from .launch import Launch
+from .link.wire import StoreClient, StoreError, StoreUnavailable
 
 log = logging.getLogger("attnstore")
-REQUIRED_MODULES = ("vllm", "xxhash", "safetensors", "msgspec")  # vLLM, and what kvtier's connector imports
+REQUIRED_MODULES = ("vllm", "xxhash", "safetensors", "msgspec")  # vLLM, and what the connector imports
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""The parts of kvtier's vLLM connector (kvtier/vllm_connector.py is the class vLLM loads):
+"""The parts of attnstore's vLLM connector (vllm_engine/connector.py is the class vLLM loads):
 
     plan.py     the arithmetic: request parameters, tokens to restore, block slots, tiers  (no torch)
     options.py  the connector's settings and the model fingerprint                          (no torch)
@@ -10,5 +10,6 @@
     scheduler.py  matching, prefetch, the queue as a hint, what each step loads and saves
     setup.py    the worker side's start from vLLM's caches
 
-Nothing here imports vLLM; the torch-free modules are what attnstore's proxy uses to talk to the store.
+Nothing here imports vLLM (setup.py only checks its version), and of attnstore only kvtier: this runs in
+vLLM's processes. The torch-free modules are what the engine (engine.py, server.py) talks to the store with.
 """

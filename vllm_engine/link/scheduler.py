@@ -1,5 +1,5 @@
 """The connector's scheduler side: how many prompt tokens the store supplies, the queue as the store's
-hint, and what the worker loads and saves each step. Plain data in and out (kvtier/vllm_connector.py
+hint, and what the worker loads and saves each step. Plain data in and out (vllm_engine/connector.py
 reads vLLM's objects), and the store reached through its socket (wire.py), so it runs in vLLM's
 scheduler process.
 
@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..tier_names import MEMORY_TIERS, TIERS
+from kvtier.tier_names import MEMORY_TIERS, TIERS
+
 from .plan import (
     VLLM_TIER,
     LoadSpec,

@@ -1,17 +1,17 @@
 """AttnStoreConnector: attnstore's tiered store under vLLM, through vLLM's v1 KV connector API.
 
     --kv-transfer-config '{"kv_connector": "AttnStoreConnector", "kv_connector_module_path":
-        "kvtier.vllm_connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "vllm_engine.connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {...ConnectorOptions...}}'
 
 vLLM's own paged KV memory plays L0; the store's host memory (L1) and disk (L2, shared by replicas and
 kept across restarts) sit below it. Keys are the store's chained chunk keys, rooted in the tenant (the
 request's kv_transfer_params, see plan.parse_params) and the model's fingerprint (weights, dtype, vLLM
 version and attention backend). The store lives in the worker process, beside the KV tensors; the
-scheduler and attnstore's proxy reach it through its socket (vllm_link/wire.py).
+scheduler and attnstore's engine (engine.py) reach it through its socket (link/wire.py).
 
 vLLM's connector API is experimental, so this is written against one release (PINNED_VLLM) and refuses
-any other at start. vLLM is imported only here and only if installed: kvtier never requires it.
+any other at start. vLLM is imported only here and only if installed: attnstore never requires it.
 One worker only (tensor and pipeline parallel size 1): with several, each would hold a shard of the
 heads, which one store per engine cannot key yet.
 """
@@ -21,15 +21,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .vllm_link.options import ConnectorOptions
-from .vllm_link.plan import StepPlan, check_chunk_size, parse_params
+from .link.options import ConnectorOptions
+from .link.plan import StepPlan, check_chunk_size, parse_params
 
 if TYPE_CHECKING:
     import torch
 
-    from .vllm_link.scheduler import SchedulerSide
-    from .vllm_link.wire import StoreSocketServer
-    from .vllm_link.worker import WorkerSide
+    from .link.scheduler import SchedulerSide
+    from .link.wire import StoreSocketServer
+    from .link.worker import WorkerSide
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -39,7 +39,7 @@ try:
     )
 
     _VLLM_MISSING: ImportError | None = None
-except ImportError as exc:  # kvtier without vLLM: importable, not usable
+except ImportError as exc:  # attnstore without vLLM: importable, not usable
     KVConnectorBase_V1 = KVConnectorMetadata = object
     KVConnectorRole = None
     _VLLM_MISSING = exc
@@ -88,8 +88,8 @@ class AttnStoreConnector(KVConnectorBase_V1):
     # ---- scheduler side ---------------------------------------------------------------------------------
 
     def _make_scheduler(self) -> SchedulerSide:
-        from .vllm_link.scheduler import SchedulerSide
-        from .vllm_link.wire import StoreClient
+        from .link.scheduler import SchedulerSide
+        from .link.wire import StoreClient
 
         o = self.options
         return SchedulerSide(
@@ -141,7 +141,7 @@ class AttnStoreConnector(KVConnectorBase_V1):
     # ---- worker side ------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from .vllm_link.setup import open_worker
+        from .link.setup import open_worker
 
         self._worker, self._server = open_worker(self._vllm_config, kv_caches, self.options)
 

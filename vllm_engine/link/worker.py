@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ChunkRef, PrefixMatch
-from ..restored_kv import KVLoadError, RestoredKV
-from ..store import KVStore
+from kvtier.config import ChunkRef, PrefixMatch
+from kvtier.restored_kv import KVLoadError, RestoredKV
+from kvtier.store import KVStore
+
 from .pages import PagedLayer, Slots
 from .plan import LoadSpec, SaveSpec, StepPlan, StoredChunk, block_slots, blocks_of, covering_chunks
 from .service import StoreService

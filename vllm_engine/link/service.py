@@ -14,9 +14,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ..schedule import Schedule
-from ..store import KVStore
-from ..tier_names import MEMORY_TIERS
+from kvtier.schedule import Schedule
+from kvtier.store import KVStore
+from kvtier.tier_names import MEMORY_TIERS
+
 from .wire import Handler
 
 PUT_WAIT_S = 2.0  # a lookup waits this long at most for the saves in flight of its namespace

@@ -1,4 +1,4 @@
-"""The store of a vLLM server, seen from the proxy's threads: its stats and forgetting a session.
+"""The store of a vLLM server, seen from attnstore's threads: its stats and forgetting a session.
 
 Both are blocking socket calls (the proxy runs them off its event loop, as it does the embedded
 runner's). A store that does not answer (vLLM gone, or started without the store) reads as no stats
@@ -11,9 +11,9 @@ import logging
 from typing import Any
 
 from kvtier import StoreStats, TierStats
-from kvtier.vllm_link.wire import StoreError, StoreUnavailable
 
-from .engine import VllmServer
+from .link.wire import StoreError, StoreUnavailable
+from .server import VllmServer
 
 log = logging.getLogger("attnstore")
 

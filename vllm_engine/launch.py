@@ -1,0 +1,122 @@
+"""The vLLM OpenAI server command for one model, from the engine's config (no process is started here).
+
+What each field of `VllmConfig` becomes (proxy/local_vllm/config.py fills it from settings.json):
+
+    models              --model <HF folder> --served-model-name <name> (a GGUF is converted once, start.py)
+    dtype               --dtype (auto: float32 on a CPU without native bfloat16, else vLLM's own)
+    device              cuda:N -> CUDA_VISIBLE_DEVICES=N (auto: whatever the vLLM install runs on)
+    max_running         --max-num-seqs
+    max_batch_tokens    --max-num-batched-tokens
+    kv_cache_bytes      --kv-cache-memory-bytes (vLLM's own KV memory is tier l0)
+    max_context_tokens  --max-model-len (at most the model's own context)
+    connector           the connector's kv_connector_extra_config (link/options.py), with the model's socket
+    args                appended as given (e.g. --no-enable-prefix-caching, -O0, --enforce-eager)
+
+vLLM loads the connector by module path (`vllm_engine.connector`), so its Python gets the folder holding
+this package (and kvtier beside it) on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ATTNSTORE_ROOT = Path(__file__).resolve().parents[1]  # the folder holding vllm_engine/ and kvtier/
+CONNECTOR_MODULE = "vllm_engine.connector"
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmConfig:
+    """The vLLM engine's configuration: one vLLM OpenAI server per model, all started alike."""
+
+    models: Mapping[str, str]  # served name -> its weights: an HF folder, a .gguf file, or pkg:NAME
+    python: str = ""  # the interpreter that runs vLLM ("": this one)
+    args: tuple[str, ...] = ()
+    dtype: str = "auto"
+    device: str = "auto"
+    max_running: int = 16
+    max_batch_tokens: int = 512
+    kv_cache_bytes: int = 2 << 30
+    max_context_tokens: int = 8192
+    # The connector's options but its socket (link/options.py); None: vLLM runs without the store.
+    connector: Mapping[str, Any] | None = field(default_factory=dict)
+    cache_dir: Path = Path("var/models")  # a GGUF's safetensors copy
+    log_dir: Path = Path("var/vllm")  # each server's log: <model>.<log_tag>.log
+    log_tag: str = "vllm"
+    start_timeout_s: float = 900
+
+
+@dataclass(frozen=True)
+class Launch:
+    argv: list[str]
+    env: dict[str, str]
+    socket_path: str | None  # the connector's store socket (None: the store is off)
+
+
+def vllm_dtype(dtype: str, device: str, cpu_flags: frozenset[str]) -> str:
+    """`auto` keeps vLLM's choice except on a CPU-only machine without native bfloat16 arithmetic, where
+    vLLM's choice (the checkpoint's bfloat16) runs several times slower than float32 (FACTS.md)."""
+    if dtype != "auto":
+        return dtype
+    cuda = device.startswith("cuda") or Path("/dev/nvidia0").exists()
+    return "auto" if cuda or (BF16_CPU_FLAGS & cpu_flags) else "float32"
+
+
+def model_context(folder: Path) -> int | None:
+    """The model's own context length from its config.json, when it says."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def context_limit(config: VllmConfig, folder: Path) -> int:
+    """Prompt + answer tokens a turn of this model may hold: the config's, at most the model's own."""
+    own = model_context(folder)
+    return min(config.max_context_tokens, own) if own else config.max_context_tokens
+
+
+def vllm_launch(
+    config: VllmConfig,
+    name: str,
+    folder: Path,
+    port: int,
+    socket_path: str,
+    *,
+    cpu_flags: frozenset[str] = frozenset(),
+) -> Launch:
+    argv = [
+        config.python or sys.executable,
+        *("-m", "vllm.entrypoints.openai.api_server"),
+        *("--model", str(folder), "--served-model-name", name),
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--dtype", vllm_dtype(config.dtype, config.device, cpu_flags)),
+        *("--max-num-seqs", str(config.max_running)),
+        *("--max-num-batched-tokens", str(config.max_batch_tokens)),
+        *("--kv-cache-memory-bytes", str(config.kv_cache_bytes)),
+        *("--max-model-len", str(context_limit(config, folder))),
+    ]
+    if config.connector is not None:
+        transfer = {
+            "kv_connector": "AttnStoreConnector",
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",  # a chunk that fails to restore is recomputed
+            "kv_connector_extra_config": {**config.connector, "socket_path": socket_path},
+        }
+        argv += ["--kv-transfer-config", json.dumps(transfer)]
+    argv += config.args
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSTORE_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ATTNSTORE_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    if config.device.startswith("cuda:"):
+        env["CUDA_VISIBLE_DEVICES"] = config.device.split(":", 1)[1]
+    return Launch(argv, env, socket_path if config.connector is not None else None)
