@@ -49,7 +49,7 @@ class _Strict(Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
-# Eviction policies kvtier implements (kvtier/policies.py): least recently / least frequently used.
+# Eviction policies kvtier implements (kvtier/eviction.py): least recently / least frequently used.
 Eviction = Literal["lru", "lfu"]
 
 

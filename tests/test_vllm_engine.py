@@ -300,4 +300,5 @@ def test_agents_on_vllm_tools_structured_outputs_logprobs_and_reuse(servers, vll
     agents.check_required(c)
     agents.check_json_schema(c, stream=True)
     agents.check_top_logprobs(c)
+    agents.check_n_answers(c, server.url, stream=True, forks=False)
     agents.check_agent_loop(c, turns=8, chunk=128)

@@ -183,6 +183,10 @@ class ToolCallParser:
 
     def feed(self, text: str) -> Parsed:
         self._buffer += text
+        if self.format == "text":  # an answer that turned out to hold no call
+            out, self._buffer = Parsed(self._buffer), ""
+            self._record(out)
+            return out
         if self.format == "llama3_json":
             return self._feed_whole_answer()
         start, end = self._MARKERS[self.format]
@@ -214,7 +218,8 @@ class ToolCallParser:
     def _feed_whole_answer(self) -> Parsed:
         """llama3_json: a call is the whole answer, so text that starts like one waits for the end."""
         stripped = self._buffer.lstrip()
-        if not stripped or stripped.startswith(("{", "<|python_tag|>")):
+        tag = "<|python_tag|>"
+        if not stripped or stripped.startswith(("{", tag)) or tag.startswith(stripped):
             return Parsed()
         out = Parsed(self._buffer)
         self._buffer = ""
@@ -227,7 +232,9 @@ class ToolCallParser:
         cut-off answer: then it is text); what was held back goes out."""
         rest, self._buffer = self._buffer, ""
         out = Parsed()
-        if self.format == "llama3_json":
+        if self.format == "text":
+            out = Parsed(rest)
+        elif self.format == "llama3_json":
             body = rest.strip().removeprefix("<|python_tag|>")
             calls = self._parse(body)
             out = Parsed(calls=tuple(calls)) if calls else Parsed(rest)

@@ -1,0 +1,66 @@
+"""The tool-call parsers on the text a model streams: calls out whole once their end is seen, text that
+may start a call held back until it is known, content outside calls kept, a cut-off call left as text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proxy.serving.tools import ToolCallParser, detect_parser
+
+
+def feed_all(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+    content = []
+    for piece in pieces:
+        content.append(parser.feed(piece).content)
+    content.append(parser.finish().content)
+    return "".join(content), [(c.name, json.loads(c.arguments)) for c in parser.calls]
+
+
+def split(text: str, size: int = 3) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_hermes_calls_stream_whole_and_the_text_around_them_is_content(size):
+    text = (
+        'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call> done'
+    )
+    content, calls = feed_all(ToolCallParser("hermes"), split(text, size))
+    assert content == "Let me look.  done"
+    assert calls == [("get_weather", {"city": "Oslo"}), ("search", {"q": "x"})]
+
+
+def test_hermes_holds_back_what_may_start_a_call_and_releases_it_when_it_does_not():
+    parser = ToolCallParser("hermes")
+    assert parser.feed("a <tool").content == "a "  # "<tool" may be "<tool_call>"
+    assert parser.feed("s are fine").content == "<tools are fine"
+
+
+def test_a_cut_off_or_malformed_call_is_text():
+    content, calls = feed_all(ToolCallParser("hermes"), ['<tool_call>\n{"name": "f", "argu'])
+    assert calls == [] and content == '<tool_call>\n{"name": "f", "argu'
+
+
+def test_llama3_json_is_a_call_when_the_whole_answer_is_one():
+    content, calls = feed_all(
+        ToolCallParser("llama3_json"), split('<|python_tag|>{"name": "f", "parameters": {"a": 1}}')
+    )
+    assert content == "" and calls == [("f", {"a": 1})]
+    content, calls = feed_all(ToolCallParser("llama3_json"), split("Plain text, no call."))
+    assert content == "Plain text, no call." and calls == []
+
+
+def test_mistral_calls_run_to_the_end_of_the_answer():
+    text = 'Sure. [TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": "y"}}]'
+    content, calls = feed_all(ToolCallParser("mistral"), split(text, 4))
+    assert content == "Sure. " and calls == [("a", {}), ("b", {"x": "y"})]
+
+
+def test_the_format_is_detected_from_the_template():
+    assert detect_parser("{{- '<tool_call>\\n' }}") == "hermes"
+    assert detect_parser("[TOOL_CALLS]") == "mistral"
+    assert detect_parser("<|python_tag|>") == "llama3_json"
+    assert detect_parser("{% for m in messages %}{{ m.content }}{% endfor %}") is None
