@@ -3,32 +3,28 @@ its stream chunks (same object, text deltas, then the usage chunk when asked for
 
 from __future__ import annotations
 
-import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from .chat import CompletionIds
 
-@dataclass
-class TextCompletionIds:
-    """What every chunk of one completion repeats."""
 
-    model: str
-    system_fingerprint: str
-    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
-    created: int = field(default_factory=lambda: int(time.time()))
+def text_completion_ids(model: str, system_fingerprint: str) -> CompletionIds:
+    """What every chunk of one completion repeats (the same as a chat completion's, its id `cmpl-`)."""
+    return CompletionIds(model, system_fingerprint, id=f"cmpl-{uuid.uuid4().hex[:24]}")
 
-    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.system_fingerprint,
-            "choices": choices,
-        }
+
+def envelope(ids: CompletionIds, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "id": ids.id,
+        "object": "text_completion",
+        "created": ids.created,
+        "model": ids.model,
+        "system_fingerprint": ids.system_fingerprint,
+        "choices": choices,
+    }
 
 
 def choice(text: str, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
@@ -36,7 +32,7 @@ def choice(text: str, finish_reason: str | None, index: int = 0) -> dict[str, An
 
 
 def chunk(
-    ids: TextCompletionIds,
+    ids: CompletionIds,
     text: str | None,
     finish_reason: str | None = None,
     *,
@@ -46,7 +42,7 @@ def chunk(
 ) -> bytes:
     """One SSE event; `text=None` makes the usage-only chunk (empty choices) that ends the stream when
     `stream_options.include_usage` is set (other chunks then carry `"usage": null`)."""
-    body = ids.envelope([] if text is None else [choice(text, finish_reason, index)])
+    body = envelope(ids, [] if text is None else [choice(text, finish_reason, index)])
     if include_usage:
         body["usage"] = usage
     return b"data: " + orjson.dumps(body) + b"\n\n"

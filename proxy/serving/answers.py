@@ -210,7 +210,7 @@ class CompletionAnswer(Answer):
         self, model: str, fingerprint: str, *, stream: bool, include_usage: bool, n: int = 1
     ) -> None:
         super().__init__(stream=stream, n=n)
-        self.ids = completion_wire.TextCompletionIds(model=model, system_fingerprint=fingerprint)
+        self.ids = completion_wire.text_completion_ids(model, fingerprint)
         self.include_usage = include_usage
 
     def add(self, index: int, delta: TextDelta) -> bytes:
@@ -237,7 +237,7 @@ class CompletionAnswer(Answer):
         for index, done in enumerate(self.done):
             assert done is not None
             choices.append(completion_wire.choice(self.choice_text(index), _finish_reason(done), index))
-        return {**self.ids.envelope(choices), "usage": _usage(total)}
+        return {**completion_wire.envelope(self.ids, choices), "usage": _usage(total)}
 
 
 class ResponsesAnswer(Answer):
