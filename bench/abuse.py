@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     if args.read_oversized:
-        import proxy.limits
+        import proxy.http.limits
 
-        proxy.limits.BODY_BYTES_PER_CONTEXT_TOKEN = 1 << 40  # the size check never fires
+        proxy.http.limits.BODY_BYTES_PER_CONTEXT_TOKEN = 1 << 40  # the size check never fires
     with tempfile.TemporaryDirectory() as tmp:
         raw = {
             "attention_store": {"tiering": {"l2_disk": {"path": str(Path(tmp) / "kv")}}},

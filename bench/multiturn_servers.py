@@ -1,7 +1,7 @@
 """The servers of `attnstore bench`: the proxy with reuse and the same proxy recomputing (in process),
 or one already running (--target), and the peers (--peer) it is compared with.
 
-Both are the real application (`proxy.app.build_full_app`) on 127.0.0.1:<free port>, each in its own
+Both are the real application (`proxy.http.app.build_full_app`) on 127.0.0.1:<free port>, each in its own
 thread and event loop, sharing one loaded model so the comparison runs on identical weights and the
 model is loaded once. They differ only in `attention_store.enabled`; everything else comes from the
 user's settings file, adjusted so the benchmark cannot disturb a real deployment (a temporary L2 folder
@@ -83,7 +83,7 @@ class InProcessTarget:
     """One proxy started in a background thread; `url` is its chat endpoint, `base` its root."""
 
     def __init__(self, settings: Settings, models: Mapping[str, Any], base_dir: Path) -> None:
-        from proxy.app import build_full_app
+        from proxy.http.app import build_full_app
 
         self.settings = settings
         self._server = AppServer(build_full_app(settings, models=models, base_dir=base_dir))

@@ -42,7 +42,7 @@ from local_runner.job_kv import JobKV
 from local_runner.jobs import Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.kv_cache import job_cache
 from local_runner.loader import LoadedModel, load_model
-from local_runner.runner import Runner
+from local_runner.runner import Runner, RunnerConfig
 from local_runner.sampling import SamplingParams
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
@@ -238,9 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = Runner(
             {NAME: lm},
             {NAME: store},
-            max_context_tokens=args.context,
-            truncate_on_overflow=True,
-            decouple=True,
+            RunnerConfig(max_context_tokens=args.context, truncate_on_overflow=True, decouple=True),
         )
         try:
             for name, msgs in conversations(args, lm.tokenizer):

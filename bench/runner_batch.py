@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from kvtier import KVStore, StoreConfig
 from local_runner.jobs import Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.loader import LoadedModel, load_model, on_passing_thread
-from local_runner.runner import Runner
+from local_runner.runner import Runner, RunnerConfig
 from local_runner.sampling import SamplingParams
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
@@ -180,9 +180,11 @@ def run(args: argparse.Namespace) -> None:
         runner = Runner(
             {MODEL: lm},
             {MODEL: store},
-            max_running=max(*args.streams, 8),  # room for the long prompt and the hit beside 4 streams
-            max_queue=64,
-            max_batch_tokens=args.max_batch_tokens,
+            RunnerConfig(
+                max_running=max(*args.streams, 8),  # room for the long prompt and the hit beside 4 streams
+                max_queue=64,
+                max_batch_tokens=args.max_batch_tokens,
+            ),
         )
         try:
             asyncio.run(run_stream(runner, prompt_ids(lm, 64), 4))  # warm-up
@@ -193,7 +195,10 @@ def run(args: argparse.Namespace) -> None:
             print("|---|---|---|---|---|---|---|---|")
             for n in args.streams:
                 if args.per_job:  # a runner per row: its thread's OpenMP team ends with it (loader.py)
-                    per_job = Runner({MODEL: lm}, max_running=max(args.streams), max_queue=64, batch=False)
+                    per_job = Runner(
+                        {MODEL: lm},
+                        config=RunnerConfig(max_running=max(args.streams), max_queue=64, batch=False),
+                    )
                     try:
                         row = asyncio.run(concurrency_row(per_job, lm, n, args.prompt, args.decode))
                     finally:

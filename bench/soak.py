@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    from proxy.app import build_full_app
+    from proxy.http.app import build_full_app
     from proxy.settings import DEFAULT_MODEL_NAME, parse_settings
 
     from .support.redis_server import REDIS_SERVER, RedisServer

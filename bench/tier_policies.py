@@ -24,7 +24,7 @@ import torch
 from kvtier import KVStore, StoreConfig
 from local_runner.jobs import Finished, FirstToken, GenerationRequest
 from local_runner.loader import LoadedModel, load_model
-from local_runner.runner import Runner
+from local_runner.runner import Runner, RunnerConfig
 from local_runner.sampling import SamplingParams
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
@@ -56,7 +56,7 @@ def open_runner(lm: LoadedModel, path: Path, *, l0: int, l1: int, overlap: bool,
         lm.layout,
         lm.fingerprint,
     )
-    return Runner({MODEL: lm}, {MODEL: store}, overlap_with_compute=overlap)
+    return Runner({MODEL: lm}, {MODEL: store}, RunnerConfig(overlap_with_compute=overlap))
 
 
 def second_turn_ttft(

@@ -13,6 +13,7 @@ import torch
 
 from kvtier import KVStore, PrefixMatch, Schedule, StoreStats, available_memory_bytes
 
+from .config import RunnerConfig
 from .job_state import JobState, Status
 from .jobs import GenerationRequest, Job
 from .kv_slots import SlotPool
@@ -57,37 +58,30 @@ class Runner:
         self,
         models: Mapping[str, LoadedModel],
         stores: Mapping[str, KVStore] | None = None,
-        *,
-        max_queue: int = 16,
-        max_running: int = 4,
-        lookahead: int = 1,
-        max_batch_tokens: int = 512,
-        kv_budget_bytes: int = 0,
-        max_context_tokens: int | None = None,
-        truncate_on_overflow: bool = False,
-        decouple: bool = False,
-        batch: bool = True,
-        batch_invariant: bool = False,
-        compile: bool = False,
-        scheduler_aware: bool = True,
-        overlap_with_compute: bool = True,
-        evict_on_pressure: bool = True,
-        min_free_memory_bytes: int = 0,
+        config: RunnerConfig | None = None,
+        **options: Any,
     ):
+        """Every option in `config` (RunnerConfig's defaults without one). Keyword options instead of a
+        config are a stop-gap for callers not yet moved to RunnerConfig (tests/test_compiled_step.py)."""
+        if options:
+            if config is not None:
+                raise TypeError("Runner takes a RunnerConfig or keyword options, not both")
+            config = RunnerConfig(**options)
+        self.config = config = config or RunnerConfig()
         self.models = dict(models)
         self.stores = dict(stores or {})
-        self._lookahead = lookahead
-        self._scheduler_aware = scheduler_aware
-        self._evict_on_pressure = evict_on_pressure
-        self._min_free = min_free_memory_bytes  # 0: no memory-pressure check at admission
+        self._lookahead = config.lookahead
+        self._scheduler_aware = config.scheduler_aware
+        self._evict_on_pressure = config.evict_on_pressure
+        self._min_free = config.min_free_memory_bytes  # 0: no memory-pressure check at admission
         self._queued_matches: dict[int, PrefixMatch] = {}  # id(job) -> its stored prefix, while queued
-        self._max_context = max_context_tokens
-        self._truncate = truncate_on_overflow
-        self.batch_invariant = batch_invariant
+        self._max_context = config.max_context_tokens
+        self._truncate = config.truncate_on_overflow
+        self.batch_invariant = config.batch_invariant
         # decouple: a truncated turn moves the kept turns' stored KV to its new positions, for models whose
         # RoPE allows an exact move; the others recompute after a truncation (said once, here).
         self._rope: dict[str, RopeShift] = {}
-        if decouple and truncate_on_overflow:
+        if config.decouple and config.truncate_on_overflow:
             for name, lm in self.models.items():
                 rope = rope_shift_for(lm.model)
                 if isinstance(rope, RopeShift):
@@ -95,32 +89,33 @@ class Runner:
                 else:
                     log.info("model %s: truncated turns recompute (no position shift): %s", name, rope)
         self.shift_stats = ShiftStats()
-        # Prompt tokens of n > 1 answers copied from their first answer's slot, not computed (written
-        # by the worker thread only).
+        # Prompt tokens of n > 1 answers copied from their first answer's slot, not computed (owned by
+        # the runner, written by the worker's thread only, read unlocked by `stats()`; so is shift_stats).
         self.forked_tokens = 0
         self.steps = {
             name: ModelStep.prepare(
                 lm,
-                slots=max_running,
+                slots=config.max_running,
                 context=self._context_cap(lm),
-                batch=batch,
-                batch_invariant=batch_invariant,
-                compile=compile,
+                batch=config.batch,
+                batch_invariant=config.batch_invariant,
+                compile=config.compile,
             )
             for name, lm in self.models.items()
         }
         self.pools = {name: step.pool for name, step in self.steps.items()}
-        config = SchedulerConfig(
-            max_queue=max_queue,
-            max_running=max_running,
-            lookahead=lookahead,
-            max_batch_tokens=max(1, max_batch_tokens),
-            kv_budget_bytes=kv_budget_bytes,
-            overlap=overlap_with_compute,
-            batch_invariant=batch_invariant,
+        scheduling = SchedulerConfig(
+            max_queue=config.max_queue,
+            max_running=config.max_running,
+            lookahead=config.lookahead,
+            max_batch_tokens=max(1, config.max_batch_tokens),
+            kv_budget_bytes=config.kv_budget_bytes,
+            overlap=config.overlap_with_compute,
+            batch_invariant=config.batch_invariant,
         )
-        self.scheduler = Scheduler(config, self.pools, self._job_bytes)
+        self.scheduler = Scheduler(scheduling, self.pools, self._job_bytes)
         self._worker = Worker(self.scheduler, self)
+        self._worker.start()  # last: the worker's thread sees a runner whose every field is set
 
     def _context_cap(self, lm: LoadedModel) -> int:
         limit = lm.max_context

@@ -57,8 +57,11 @@ class Scheduler:
         self.config = config
         self.pools = dict(pools)
         self._job_bytes = job_bytes
+        # Shared state, all of it owned by this scheduler. `cond` guards the queue, `starting`,
+        # `stopping` and the counters below (event-loop threads submit and cancel; the worker admits);
+        # `running` is changed under `cond` by the worker's thread only, which alone reads it unlocked.
         self.cond = threading.Condition()
-        self.queue = AdmissionQueue(config.max_queue, config.max_running)
+        self.queue = AdmissionQueue(config.max_queue, config.max_running)  # guarded by `cond`
         self.running: list[JobState] = []
         self.starting = 0  # taken from the queue by admit(), not yet in `running`
         self.stopping = False

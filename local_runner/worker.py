@@ -54,6 +54,13 @@ class RunnerHooks(Protocol):
 
 
 class Worker:
+    """The loop's thread, started by `start()` (the runner calls it last in its construction).
+
+    Owns `steps` and `outbox`, both written by its thread only, without a lock: the outbox takes emits
+    from that thread alone (`Outbox.thread`) and hands them to each loop in one thread-safe call per
+    step; `steps` is read unlocked for stats. The queue and the running jobs are the scheduler's
+    (guarded by `scheduler.cond`)."""
+
     def __init__(self, scheduler: Scheduler, hooks: RunnerHooks) -> None:
         self.scheduler = scheduler
         self._hooks = hooks
@@ -64,12 +71,16 @@ class Worker:
         self.outbox = Outbox()  # the events of a step, handed to the event loop once per step
         self._thread = threading.Thread(target=self._run, name="attnstore-runner", daemon=True)
         self.outbox.thread = self._thread
+
+    def start(self) -> None:
+        """Start the worker's thread (the runner does, once it is fully built)."""
         self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
         for job in self.scheduler.stop():
             job.emit(Failed("the local runner stopped"))
-        self._thread.join(timeout)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout)
         self._saver.shutdown(wait=True)  # pending saves finish: a restart finds their KV
 
     # -- the loop -------------------------------------------------------------------------------------

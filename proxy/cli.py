@@ -11,7 +11,7 @@ import sys
 
 from aiohttp import web
 
-from .limits import check_bind
+from .http.limits import check_bind
 from .settings import Settings, SettingsError, load_settings
 
 
@@ -37,7 +37,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 def build(settings: Settings) -> web.Application | None:
     """The app `serve` runs, or None (logged in one line) when a local model cannot load. torch loads only
     when the local runner is enabled: an upstream-only proxy (or a bad settings file) starts in a blink."""
-    from .app import build_full_app
+    from .http.app import build_full_app
 
     if not settings.local_runner.enabled:
         return build_full_app(settings)

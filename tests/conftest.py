@@ -6,7 +6,7 @@
 - `start_app(app_or_factory, **kw)`: start any aiohttp app in a background thread, stopped at teardown;
   returns a `tests.servers.AppServer` (`.url`).
 - `start_proxy(settings=None, local_backend=None)`: build_app(settings) started the same way, with
-  `local_backend` (a stand-in for `proxy.backend.LocalBackend`) as its local serving.
+  `local_backend` (a stand-in for `proxy.turns.backend.LocalBackend`) as its local serving.
 - `proxy`: the proxy with default test settings in front of `fake_upstream`.
 - `redis_server`: a throw-away redis-server on a free loopback port (skipped when the binary is absent).
 
@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.app import build_app, build_full_app
+from proxy.http.app import build_app, build_full_app
 from proxy.settings import Settings, parse_settings
 from tests.model_fixture import MODEL, smollm  # noqa: F401 - the real model, once per session
 from tests.servers import AppServer

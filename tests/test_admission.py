@@ -11,7 +11,7 @@ import pytest
 from local_runner.admission import OverShare, QueueFull
 from local_runner.jobs import Failed, Finished, FirstToken, GenerationRequest, Job
 from local_runner.params import SamplingParams
-from local_runner.runner import Runner
+from local_runner.runner import Runner, RunnerConfig
 from tests.test_local_runner_batching import drain, ids_of
 from tests.tiny_model import tiny_llama, tiny_loaded
 
@@ -32,7 +32,7 @@ async def first_event(job: Job):
 
 
 async def test_one_client_alone_may_use_every_slot_and_the_whole_queue(lm):
-    runner = Runner({"tiny": lm}, max_running=4, max_queue=16)
+    runner = Runner({"tiny": lm}, config=RunnerConfig(max_running=4, max_queue=16))
     try:
         jobs = [runner.submit(request(lm, "a", f"conversation {i}")) for i in range(12)]
         outs = await asyncio.gather(*(drain(j) for j in jobs))
@@ -44,7 +44,7 @@ async def test_one_client_alone_may_use_every_slot_and_the_whole_queue(lm):
 async def test_the_queue_is_bounded_for_one_client(lm):
     """max_running 1 + max_queue 2: three accepted, the other seven refused as the queue is full (a
     client alone is never 'over its share': it gets 503, never 429)."""
-    runner = Runner({"tiny": lm}, max_running=1, max_queue=2)
+    runner = Runner({"tiny": lm}, config=RunnerConfig(max_running=1, max_queue=2))
     accepted, refused = [], []
     try:
         for i in range(10):
@@ -62,7 +62,7 @@ async def test_the_queue_is_bounded_for_one_client(lm):
 async def test_clients_alternate_so_one_request_waits_at_most_one_admission(lm):
     """Client A keeps 12 requests waiting behind its running one; client B sends one: B is admitted
     right after A's next one (the order of first tokens with one slot is the order of admission)."""
-    runner = Runner({"tiny": lm}, max_running=1, max_queue=16)
+    runner = Runner({"tiny": lm}, config=RunnerConfig(max_running=1, max_queue=16))
     try:
         a_jobs = [
             runner.submit(request(lm, "A", f"a{i}", max_tokens=400 if i == 0 else 12)) for i in range(13)
@@ -85,7 +85,7 @@ async def test_clients_alternate_so_one_request_waits_at_most_one_admission(lm):
 
 
 async def test_past_its_share_a_client_is_refused_only_while_others_need_the_room(lm):
-    runner = Runner({"tiny": lm}, max_running=1, max_queue=4)
+    runner = Runner({"tiny": lm}, config=RunnerConfig(max_running=1, max_queue=4))
     try:
         a_jobs = [runner.submit(request(lm, "A", f"a{i}", max_tokens=400 if i == 0 else 8)) for i in range(5)]
         await first_event(a_jobs[0])  # runs until cancelled below: the queue stays full meanwhile
@@ -110,7 +110,7 @@ async def test_past_its_share_a_client_is_refused_only_while_others_need_the_roo
 
 
 async def test_a_cancelled_waiting_job_leaves_the_queue_and_the_window_at_once(lm):
-    runner = Runner({"tiny": lm}, max_running=1, max_queue=4, lookahead=1)
+    runner = Runner({"tiny": lm}, config=RunnerConfig(max_running=1, max_queue=4, lookahead=1))
     try:
         running = runner.submit(request(lm, "a", "long one", max_tokens=200))
         await first_event(running)

@@ -11,7 +11,7 @@ import torch
 from local_runner.jobs import GenerationRequest
 from local_runner.loader import load_model
 from local_runner.params import SamplingParams
-from local_runner.runner import Runner
+from local_runner.runner import Runner, RunnerConfig
 from proxy.settings import DEFAULT_MODEL_SOURCE
 from tests.model_fixture import MODEL, REPO
 from tests.test_local_runner_batching import drain
@@ -33,7 +33,9 @@ TOKENS = 12
 
 async def alone_and_together(lm, *, batch_invariant: bool) -> tuple[list[str], list[str]]:
     """The 8 questions' greedy answers served one at a time, then all 8 at once, by a runner of 8 slots."""
-    runner = Runner({MODEL: lm}, max_running=8, max_queue=8, batch_invariant=batch_invariant)
+    runner = Runner(
+        {MODEL: lm}, config=RunnerConfig(max_running=8, max_queue=8, batch_invariant=batch_invariant)
+    )
 
     def submit(ids: list[int]):
         return runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=TOKENS, temperature=0)))

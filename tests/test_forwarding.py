@@ -16,13 +16,13 @@ import pytest
 import urllib3
 from aiohttp import web
 
-from proxy.app import build_app
-from proxy.backend import LocalBackend
-from proxy.errors import APIError
-from proxy.forwarding import FORWARDED_BY, FORWARDER, forward_target
-from proxy.keys import METRICS
-from proxy.session_index import MemorySessionIndex, RedisSessionIndex, ReplicaInfo, SessionRecord
-from proxy.tenant import tenant_of
+from proxy.cluster.forwarding import FORWARDED_BY, FORWARDER, forward_target
+from proxy.cluster.session_index import MemorySessionIndex, RedisSessionIndex, ReplicaInfo, SessionRecord
+from proxy.http.app import build_app
+from proxy.http.app_keys import METRICS
+from proxy.http.errors import APIError
+from proxy.turns.backend import LocalBackend
+from proxy.turns.tenant import tenant_of
 from tests.support.threaded_server import free_port
 from tests.support.waiting import wait_until
 

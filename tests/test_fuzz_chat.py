@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.app import build_app
+from proxy.http.app import build_app
 from tests.servers import http_request
 from tests.support.threaded_server import AppServer
 

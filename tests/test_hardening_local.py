@@ -9,7 +9,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.keys import LOCAL_BACKEND
+from proxy.http.app_keys import LOCAL_BACKEND
 from proxy.serving import prompts
 from tests.model_fixture import MODEL
 from tests.servers import http_request

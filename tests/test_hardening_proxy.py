@@ -13,11 +13,11 @@ import pytest
 from aiohttp import web
 
 from proxy.cli import main as cli_main
-from proxy.keys import SESSION_INDEX
-from proxy.limits import check_bind
-from proxy.session_index import SessionRecord
+from proxy.cluster.session_index import SessionRecord
+from proxy.http.app_keys import SESSION_INDEX
+from proxy.http.limits import check_bind
 from proxy.settings import parse_settings
-from proxy.tenant import tenant_of
+from proxy.turns.tenant import tenant_of
 from tests.servers import http_request
 
 URL = "/v1/chat/completions"

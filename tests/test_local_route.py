@@ -102,7 +102,7 @@ def test_openai_client_stop_and_max_completion_tokens(local_proxy):
 @pytest.mark.parametrize(
     "extra",
     [
-        {"n": 2},
+        {"n": 17},  # more answers than one local turn serves (n <= 16 is served locally)
         # SmolLM2's own chat template renders no tools: they go where they can be served.
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
         {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
@@ -121,10 +121,10 @@ def test_unsupported_options_go_upstream(local_proxy, fake_upstream, extra):
 
 def test_unsupported_options_without_upstream_get_a_clear_400(local_proxy):
     server = local_proxy()
-    resp = post(server, {"model": MODEL, "messages": HELLO, "n": 3})
+    resp = post(server, {"model": MODEL, "messages": HELLO, "n": 17})
     assert resp.status == 400
     error = orjson.loads(resp.data)["error"]
-    assert "n > 1" in error["message"] and "no upstream" in error["message"]
+    assert "n > 16" in error["message"] and "no upstream" in error["message"]
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import torch
 from kvtier import KVStore, StoreConfig
 from local_runner.job_kv import JobKV
 from local_runner.jobs import Failed, Finished, FirstToken, GenerationRequest, Job, TextDelta
-from local_runner.runner import Runner
+from local_runner.runner import Runner, RunnerConfig
 from local_runner.sampling import SamplingParams
 from local_runner.step import Work, run_per_job
 from tests.tiny_model import tiny_llama, tiny_loaded
@@ -105,7 +105,9 @@ async def test_eight_jobs_joining_at_different_steps_equal_each_alone(lm, model,
     prompts = [ids_of(lm, p) for p in PROMPTS]
     expected = [greedy_alone(lm, p, n) for p in prompts]
 
-    runner = Runner({"tiny": lm, "tiny-eos": eos_lm}, {"tiny": store}, max_running=8, max_queue=8)
+    runner = Runner(
+        {"tiny": lm, "tiny-eos": eos_lm}, {"tiny": store}, RunnerConfig(max_running=8, max_queue=8)
+    )
     try:
         # Turn 1 of two conversations, alone: their KV is stored for the reuse below.
         for i in (1, 5):
@@ -174,7 +176,7 @@ async def test_eight_jobs_joining_at_different_steps_equal_each_alone(lm, model,
 
 
 async def test_a_failing_job_fails_alone(lm):
-    runner = Runner({"tiny": lm}, max_running=4)
+    runner = Runner({"tiny": lm}, config=RunnerConfig(max_running=4))
     try:
         good = ids_of(lm, "hello there")
         bad = [lm.model.config.vocab_size + 5] * 3  # no such token: its embedding lookup raises
@@ -194,7 +196,7 @@ async def test_a_failing_job_fails_alone(lm):
 async def test_a_job_that_does_not_fit_the_kv_budget_waits(lm):
     ids = ids_of(lm, "a prompt of some length")
     per_job = (len(ids) + 16) * lm.layout.bytes_per_token
-    runner = Runner({"tiny": lm}, max_running=4, kv_budget_bytes=int(per_job * 1.5))
+    runner = Runner({"tiny": lm}, config=RunnerConfig(max_running=4, kv_budget_bytes=int(per_job * 1.5)))
     try:
         first, second = submit(runner, "tiny", ids, 16), submit(runner, "tiny", ids, 16)
         done_when_second_started: list[bool] = []
@@ -211,7 +213,7 @@ async def test_a_job_that_does_not_fit_the_kv_budget_waits(lm):
 
 
 async def test_cancelling_frees_the_slot_for_a_queued_job(lm):
-    runner = Runner({"tiny": lm}, max_running=1, max_queue=2)
+    runner = Runner({"tiny": lm}, config=RunnerConfig(max_running=1, max_queue=2))
     try:
         long = submit(runner, "tiny", ids_of(lm, "go on"), 400)
         events = long.events()

@@ -9,7 +9,7 @@ import torch
 
 from kvtier import KVStore, StoreConfig
 from local_runner.jobs import Failed, Finished
-from local_runner.runner import Runner
+from local_runner.runner import Runner, RunnerConfig
 from tests.support.waiting import async_wait_until
 from tests.test_local_runner_batching import drain, greedy_alone, ids_of, submit
 from tests.tiny_model import tiny_llama, tiny_loaded
@@ -40,7 +40,7 @@ async def test_a_window_jobs_kv_is_fetched_from_disk_while_another_job_runs(tmp_
     answer = greedy_alone(lm, first, 12)
     second = first + answer + ids_of(lm, " more?")
     store = open_store(lm, tmp_path)  # a restart: the conversation is in L2 only
-    runner = Runner({"tiny": lm}, {"tiny": store}, max_running=1, lookahead=1)
+    runner = Runner({"tiny": lm}, {"tiny": store}, RunnerConfig(max_running=1, lookahead=1))
     try:
         long_job = submit(runner, "tiny", ids_of(lm, "keep talking"), 300)
         events = long_job.events()
@@ -75,7 +75,11 @@ async def test_memory_pressure_sheds_stored_kv_or_refuses(tmp_path):
         store.flush()
         before = store.stats()
         # An impossible amount of memory to keep free: the machine is "short" for every job.
-        runner = Runner({"tiny": lm}, {"tiny": store}, evict_on_pressure=evict, min_free_memory_bytes=1 << 50)
+        runner = Runner(
+            {"tiny": lm},
+            {"tiny": store},
+            RunnerConfig(evict_on_pressure=evict, min_free_memory_bytes=1 << 50),
+        )
         try:
             out = await drain(submit(runner, "tiny", ids_of(lm, "another prompt"), 4))
             after = store.stats()
@@ -97,7 +101,7 @@ async def test_without_overlap_a_job_waits_for_its_restore_and_answers_the_same(
     second = first + greedy_alone(lm, first, 10) + ids_of(lm, " and?")
     for overlap in (True, False):
         store = open_store(lm, tmp_path)
-        runner = Runner({"tiny": lm}, {"tiny": store}, overlap_with_compute=overlap)
+        runner = Runner({"tiny": lm}, {"tiny": store}, RunnerConfig(overlap_with_compute=overlap))
         try:
             out = await drain(submit(runner, "tiny", second, 8))
         finally:

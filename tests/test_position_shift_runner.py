@@ -16,7 +16,7 @@ from kvtier import KVStore, StoreConfig
 from local_runner.jobs import Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.prompt import ANSWER_ROOM, HEADROOM, fit_history, render_prompt
 from local_runner.realign import find_realignment
-from local_runner.runner import Runner
+from local_runner.runner import Runner, RunnerConfig
 from local_runner.sampling import SamplingParams
 from tests.tiny_model import tiny_llama, tiny_loaded, tiny_tokenizer
 
@@ -130,7 +130,9 @@ def layer0(store: KVStore, ns: str, ids: list[int], n: int) -> tuple[torch.Tenso
 async def test_truncated_turn_moves_the_kept_kv_like_a_recompute(lm, tmp_path):
     store = store_for(lm, tmp_path)
     runner = Runner(
-        {"tiny": lm}, {"tiny": store}, max_context_tokens=LIMIT, truncate_on_overflow=True, decouple=True
+        {"tiny": lm},
+        {"tiny": store},
+        RunnerConfig(max_context_tokens=LIMIT, truncate_on_overflow=True, decouple=True),
     )
     try:
         ids, first, nxt, first_next = await converse_until_truncated(runner, "a")
@@ -158,7 +160,9 @@ async def test_truncated_turn_moves_the_kept_kv_like_a_recompute(lm, tmp_path):
 async def test_without_decouple_a_truncated_turn_recomputes(lm, tmp_path):
     store = store_for(lm, tmp_path)
     runner = Runner(
-        {"tiny": lm}, {"tiny": store}, max_context_tokens=LIMIT, truncate_on_overflow=True, decouple=False
+        {"tiny": lm},
+        {"tiny": store},
+        RunnerConfig(max_context_tokens=LIMIT, truncate_on_overflow=True, decouple=False),
     )
     try:
         ids, first, nxt, first_next = await converse_until_truncated(runner, "a")

@@ -11,7 +11,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.session import prefix_fingerprint
+from proxy.turns.session import prefix_fingerprint
 from tests.servers import http_request
 from tests.support.waiting import wait_until
 

@@ -6,7 +6,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.backend import LocalBackend
+from proxy.turns.backend import LocalBackend
 from tests.servers import http_request
 
 URL = "/v1/chat/completions"

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.backend import LocalBackend
-from proxy.errors import APIError
+from proxy.http.errors import APIError
+from proxy.turns.backend import LocalBackend
 from tests.servers import http_request
 from tests.support.waiting import wait_until
 from tests.test_proxy_input import FakeLocal

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from proxy.errors import APIError
-from proxy.header_filter import outbound_headers
-from proxy.headers import CACHE, TIER_NAMES, cache_label, store_headers
+from proxy.http.errors import APIError
 from proxy.openai.requests import count_turn
-from proxy.session import prefix_fingerprint, resolve_session
-from proxy.tenant import check_client_auth, tenant_of
-from proxy.upstream import prompt_tokens_from_sse_tail, upstream_url
+from proxy.turns.headers import CACHE, TIER_NAMES, cache_label, store_headers
+from proxy.turns.session import prefix_fingerprint, resolve_session
+from proxy.turns.tenant import check_client_auth, tenant_of
+from proxy.upstream.forward import prompt_tokens_from_sse_tail, upstream_url
+from proxy.upstream.header_filter import outbound_headers
 
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
@@ -181,16 +181,16 @@ def _proxy_imports() -> dict[str, set[str]]:
 
 def test_imports_in_proxy_point_one_way():
     graph = _proxy_imports()
-    assert "proxy.turn" in graph and "proxy.local.engine" in graph and "proxy.serving.service" in graph
+    assert "proxy.turns.turn" in graph and "proxy.local.engine" in graph and "proxy.serving.service" in graph
     # A module's imports come before it: repeatedly take the modules whose imports are all taken.
     done: set[str] = set()
     while len(done) < len(graph):
         ready = {m for m, deps in graph.items() if m not in done and deps & graph.keys() <= done}
         assert ready, f"import cycle among {sorted(set(graph) - done)}"
         done |= ready
-    # Only the app reaches into local serving (torch): everything else goes through proxy.backend.
+    # Only the app reaches into local serving (torch): everything else goes through proxy.turns.backend.
     reaching = {m for m, deps in graph.items() if any(d.startswith("proxy.local.") for d in deps)}
-    assert {m for m in reaching if not m.startswith("proxy.local")} == {"proxy.app"}
+    assert {m for m in reaching if not m.startswith("proxy.local")} == {"proxy.http.app"}
 
 
 def _importers(package: str, forbidden: set[str]) -> dict[str, set[str]]:
@@ -224,7 +224,5 @@ def test_the_packages_import_one_way_proxy_then_the_engines_then_kvtier():
 def test_an_upstream_only_proxy_loads_no_torch():
     """The proxy's core (tier names included, from kvtier's torch-free module) imports without torch:
     an upstream-only proxy starts in a blink. Only proxy.local, built when local serving is on, loads it."""
-    code = (
-        "import sys, proxy.app, proxy.cli; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
-    )
+    code = "import sys, proxy.http.app, proxy.cli; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0

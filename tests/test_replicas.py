@@ -14,7 +14,7 @@ import pytest
 import redis
 import urllib3
 
-from proxy.app import build_full_app
+from proxy.http.app import build_full_app
 from tests.model_fixture import MODEL, REPO
 from tests.support.processes import UNREACHABLE, ReplicaProcess
 from tests.support.threaded_server import free_port

@@ -12,7 +12,7 @@ import orjson
 import pytest
 import urllib3
 
-from proxy.app import build_full_app
+from proxy.http.app import build_full_app
 from tests.model_fixture import MODEL
 
 pytestmark = pytest.mark.model

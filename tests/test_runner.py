@@ -10,7 +10,7 @@ import torch
 from local_runner.admission import QueueFull
 from local_runner.jobs import Failed, Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.prompt import PromptError
-from local_runner.runner import Runner
+from local_runner.runner import Runner, RunnerConfig
 from local_runner.sampling import SamplingParams
 from tests.model_fixture import MODEL
 
@@ -21,7 +21,7 @@ COLORS = [{"role": "user", "content": "Name three colors."}]
 
 @pytest.fixture
 def runner(smollm):
-    r = Runner({MODEL: smollm}, max_queue=2, max_running=2)
+    r = Runner({MODEL: smollm}, config=RunnerConfig(max_queue=2, max_running=2))
     yield r
     r.close()
 
@@ -104,7 +104,7 @@ async def test_cancel_stops_a_running_job(runner):
 
 
 async def test_queue_full_raises(smollm):
-    runner = Runner({MODEL: smollm}, max_queue=1, max_running=1)
+    runner = Runner({MODEL: smollm}, config=RunnerConfig(max_queue=1, max_running=1))
     try:
         ids = runner.render(MODEL, [{"role": "user", "content": "Count from one to one thousand."}])
         jobs = [runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=400, temperature=0)))]
@@ -138,8 +138,8 @@ def test_overflowing_history_drops_oldest_turns_when_allowed(smollm):
             {"role": "assistant", "content": f"The answer to question {i} is {2 * i}."},
         ]
     history.append({"role": "user", "content": "And the last question?"})
-    strict = Runner({MODEL: smollm}, max_context_tokens=120)
-    lenient = Runner({MODEL: smollm}, max_context_tokens=120, truncate_on_overflow=True)
+    strict = Runner({MODEL: smollm}, config=RunnerConfig(max_context_tokens=120))
+    lenient = Runner({MODEL: smollm}, config=RunnerConfig(max_context_tokens=120, truncate_on_overflow=True))
     try:
         with pytest.raises(PromptError, match="tokens"):
             strict.render(MODEL, history, reserve=16)
@@ -161,7 +161,7 @@ async def test_concurrent_jobs_answer_as_each_alone(smollm):
         "What is 2+2?",
         "List the planets of the solar system in order from the sun.",
     ]
-    runner = Runner({MODEL: smollm}, max_running=4, max_queue=4)
+    runner = Runner({MODEL: smollm}, config=RunnerConfig(max_running=4, max_queue=4))
     try:
         results = await asyncio.gather(
             *(

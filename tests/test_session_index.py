@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import logging
 
-import proxy.session_index as session_index
-from proxy.session_index import MemorySessionIndex, RedisSessionIndex, SessionRecord, open_session_index
+import proxy.cluster.session_index as session_index
+from proxy.cluster.session_index import (
+    MemorySessionIndex,
+    RedisSessionIndex,
+    SessionRecord,
+    open_session_index,
+)
 from tests.support.threaded_server import free_port
 
 

@@ -25,10 +25,10 @@ from local_runner.jobs import EngineError, GenerationRequest
 from local_runner.loader import ThreadTokenizers
 from local_runner.params import SamplingParams
 from local_runner.prompt import render_prompt
-from proxy.app import build_app
+from proxy.cluster.session_index import MemorySessionIndex, SessionRecord
+from proxy.http.app import build_app
 from proxy.serving.service import LocalServing
-from proxy.session_index import MemorySessionIndex, SessionRecord
-from proxy.upstream import upstream_fallback
+from proxy.upstream.forward import upstream_fallback
 from tests.servers import http_request
 from tests.support.threaded_server import free_port
 from tests.support.waiting import wait_until

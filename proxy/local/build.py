@@ -13,10 +13,10 @@ from pathlib import Path
 from kvtier import KVStore, StoreConfig
 from local_runner.compiled import use_cache_dir
 from local_runner.loader import LoadedModel, load_model
-from local_runner.runner import Runner
+from local_runner.runner import Runner, RunnerConfig
 
+from ..cluster.session_index import SessionIndex
 from ..serving.service import LocalServing, UpstreamFallback
-from ..session_index import SessionIndex
 from ..settings import EmbeddedRunnerSettings, Settings, resolve_path, runner_settings
 from .engine import EmbeddedEngine
 
@@ -71,6 +71,30 @@ def open_stores(
     }
 
 
+def runner_config(settings: Settings) -> RunnerConfig:
+    """The embedded runner's options, every one of them from settings.json."""
+    lr = runner_settings(settings, EmbeddedRunnerSettings)
+    preload = settings.attention_store.preload
+    aware = settings.attention_store.scheduler_aware
+    position = settings.attention_store.position_encoding
+    return RunnerConfig(
+        max_queue=lr.max_queue,
+        max_running=lr.max_running,
+        max_batch_tokens=lr.max_batch_tokens,
+        batch_invariant=lr.batch_invariant,
+        compile=lr.compile,
+        kv_budget_bytes=lr.max_running_kv_mb * MB,
+        lookahead=preload.lookahead_turns if (preload.enabled and aware.enabled) else 0,
+        scheduler_aware=aware.enabled,
+        overlap_with_compute=preload.enabled and preload.overlap_with_compute,
+        evict_on_pressure=aware.evict_on_pressure,
+        min_free_memory_bytes=lr.min_free_memory_mb * MB,
+        max_context_tokens=position.max_context_tokens,
+        truncate_on_overflow=position.truncate_on_overflow,
+        decouple=position.decouple,
+    )
+
+
 def build_local_backend(
     settings: Settings,
     index: SessionIndex,
@@ -83,26 +107,7 @@ def build_local_backend(
     lr = runner_settings(settings, EmbeddedRunnerSettings)
     if lr.compile:
         use_cache_dir(resolve_path(lr.cache_dir, base_dir or Path.cwd()) / "compiled")
-    preload = settings.attention_store.preload
-    aware = settings.attention_store.scheduler_aware
-    runner = Runner(
-        models,
-        open_stores(settings, models, base_dir),
-        max_queue=lr.max_queue,
-        max_running=lr.max_running,
-        max_batch_tokens=lr.max_batch_tokens,
-        batch_invariant=lr.batch_invariant,
-        compile=lr.compile,
-        kv_budget_bytes=lr.max_running_kv_mb * MB,
-        lookahead=preload.lookahead_turns if (preload.enabled and aware.enabled) else 0,
-        scheduler_aware=aware.enabled,
-        overlap_with_compute=preload.enabled and preload.overlap_with_compute,
-        evict_on_pressure=aware.evict_on_pressure,
-        min_free_memory_bytes=lr.min_free_memory_mb * MB,
-        max_context_tokens=settings.attention_store.position_encoding.max_context_tokens,
-        truncate_on_overflow=settings.attention_store.position_encoding.truncate_on_overflow,
-        decouple=settings.attention_store.position_encoding.decouple,
-    )
+    runner = Runner(models, open_stores(settings, models, base_dir), runner_config(settings))
     return LocalServing.from_settings(
         EmbeddedEngine(runner), settings, index, overflow=overflow, base_dir=base_dir or Path.cwd()
     )

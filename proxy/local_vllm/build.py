@@ -10,10 +10,10 @@ from pathlib import Path
 from vllm_engine.engine import VllmEngine
 from vllm_engine.start import start_models
 
-from ..backend import LocalBackend
+from ..cluster.session_index import SessionIndex
 from ..serving.service import LocalServing, UpstreamFallback
-from ..session_index import SessionIndex
 from ..settings import Settings
+from ..turns.backend import LocalBackend
 from .config import vllm_config
 
 

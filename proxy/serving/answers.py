@@ -19,7 +19,7 @@ from aiohttp import web
 from local_runner.jobs import Failed, Finished, TextDelta
 from local_runner.params import TokenLogprob
 
-from ..errors import APIError, error_body
+from ..http.errors import APIError, error_body
 from ..openai import chat as chat_wire
 from ..openai import completions as completion_wire
 from ..openai import responses as responses_wire

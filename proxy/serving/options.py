@@ -12,7 +12,7 @@ from typing import Any
 
 from local_runner.params import SamplingParams
 
-from ..errors import bad_request
+from ..http.errors import bad_request
 from ..openai.requests import ApiRequest, ChatRequest, CompletionRequest, ResponsesRequest
 
 

@@ -2,7 +2,7 @@
 truncation), or a completion's prompt as text or token ids.
 
 Tokenizing is the first expensive step of a local turn, so it runs on a small pool of its own (the
-default executor stays free) after the cheap character bound (`proxy.limits.precheck_prompt`) has
+default executor stays free) after the cheap character bound (`proxy.http.limits.precheck_prompt`) has
 refused what cannot fit.
 """
 
@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 from local_runner.prompt import PLAIN, PromptError, PromptFormat, check_fits, fit_turn
 
-from ..errors import APIError
-from ..limits import max_chars_per_token, precheck_prompt
+from ..http.errors import APIError
+from ..http.limits import max_chars_per_token, precheck_prompt
 from .engine import Engine
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from ..session_index import SessionIndex
+from ..cluster.session_index import SessionIndex
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,14 @@ from kvtier.tier_names import TIERS, Tier
 from local_runner.jobs import Event, Failed, Finished, FirstToken, GenerationRequest
 from local_runner.prompt import PromptFormat, render_prompt
 
-from ..errors import APIError
-from ..headers import CacheLevel
+from ..cluster.session_index import SessionIndex, SessionRecord
+from ..http.errors import APIError
 from ..openai import responses as responses_wire
 from ..openai.requests import ApiRequest, ChatRequest, CompletionRequest, ResponsesRequest
-from ..session_index import SessionIndex, SessionRecord
 from ..settings import Settings, chat_templates, replica_id
-from ..tenant import ANONYMOUS, tenant_of
-from ..turn import Turn
+from ..turns.headers import CacheLevel
+from ..turns.tenant import ANONYMOUS, tenant_of
+from ..turns.turn import Turn
 from .answers import Answer, ChatAnswer, CompletionAnswer, ResponsesAnswer, write_answer
 from .choices import fan_out
 from .engine import Engine, EngineError, OverShare, QueueFull

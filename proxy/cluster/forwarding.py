@@ -31,13 +31,13 @@ from aiohttp import web
 
 from kvtier.tier_names import MEMORY_TIERS  # torch-free: the tier names only
 
-from .header_filter import inbound_headers, outbound_headers
-from .headers import FORWARDED_BY
-from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS
-from .openai.requests import ApiRequest
+from ..http.app_keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS
+from ..openai.requests import ApiRequest
+from ..settings import Settings, replica_id
+from ..turns.headers import FORWARDED_BY
+from ..turns.turn import Turn
+from ..upstream.header_filter import inbound_headers, outbound_headers
 from .session_index import ReplicaInfo, SessionIndex, SessionRecord
-from .settings import Settings, replica_id
-from .turn import Turn
 
 log = logging.getLogger("attnstore.forwarding")
 # A replica is taken for dead once it missed this many heartbeats.

@@ -5,10 +5,10 @@ from __future__ import annotations
 import aiohttp
 from aiohttp import web
 
-from .backend import LocalBackend
+from ..cluster.session_index import SessionIndex
+from ..settings import Settings
+from ..turns.backend import LocalBackend
 from .metrics import Metrics
-from .session_index import SessionIndex
-from .settings import Settings
 
 SETTINGS = web.AppKey("settings", Settings)
 # One ClientSession for the app's life (created in a cleanup_ctx), used for every upstream call.

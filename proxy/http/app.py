@@ -11,9 +11,12 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
-from .backend import LocalBackend
-from .forwarding import install_forwarding
-from .keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
+from ..cluster.forwarding import install_forwarding
+from ..cluster.session_index import MemorySessionIndex, SessionIndex, open_session_index
+from ..settings import Settings, make_l2_folder
+from ..turns.backend import LocalBackend
+from ..upstream.forward import upstream_fallback
+from .app_keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
 from .metrics import Metrics, RunnerCollector
 from .middleware import error_middleware
 from .routes_misc import healthz, list_models
@@ -21,9 +24,6 @@ from .routes_passthrough import PASSTHROUGH_PATH, pass_through
 from .routes_store import forget_session, metrics, stats, store_stats
 from .routes_turns import chat_completions, completions, create_response, delete_response, get_response
 from .server_log import install_bad_request_log
-from .session_index import MemorySessionIndex, SessionIndex, open_session_index
-from .settings import Settings, make_l2_folder
-from .upstream import upstream_fallback
 
 if TYPE_CHECKING:  # torch and transformers load only when the local runner is enabled
     from local_runner.loader import LoadedModel
@@ -127,11 +127,11 @@ def build_full_app(
     if not settings.local_runner.enabled:
         return build_app(settings, index=index)
     if settings.local_runner.engine == "vllm":  # a vLLM server per model, started (and waited for) now
-        from .local_vllm.build import start_vllm_backend
+        from ..local_vllm.build import start_vllm_backend
 
         vllm = start_vllm_backend(settings, index, overflow=upstream_fallback, base_dir=base_dir)
         return build_app(settings, local=vllm, index=index)
-    from .local.build import build_local_backend, load_models
+    from ..local.build import build_local_backend, load_models
 
     loaded = models if models is not None else load_models(settings, base_dir)
 

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from .backend import LocalBackend
+from ..turns.backend import LocalBackend
+from ..turns.tenant import is_admin, tenant_of
+from .app_keys import LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
 from .errors import APIError
-from .keys import LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
-from .tenant import is_admin, tenant_of
 
 if TYPE_CHECKING:  # torch loads only when the local runner is enabled
     from local_runner.runner import RunnerStats

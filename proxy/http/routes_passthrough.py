@@ -15,11 +15,11 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from ..settings import Settings
+from ..upstream.forward import forward_upstream
+from .app_keys import SETTINGS
 from .errors import APIError
-from .keys import SETTINGS
 from .limits import read_body
-from .settings import Settings
-from .upstream import forward_upstream
 
 PASSTHROUGH_PATH = "/v1/{tail:.*}"
 _STORE_PREFIX = "/v1/attention_store"

@@ -24,9 +24,9 @@ from typing import Literal
 
 from multidict import CIMultiDict
 
-from .headers import FORWARDED_BY
-from .session import SESSION_HEADER
-from .settings import Settings, replica_id
+from ..settings import Settings, replica_id
+from ..turns.headers import FORWARDED_BY
+from ..turns.session import SESSION_HEADER
 
 HOP_BY_HOP = frozenset(
     h.lower()

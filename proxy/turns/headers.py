@@ -1,6 +1,6 @@
 """The X-AttentionStore-* headers: the names, and the values every chat completion carries (local or upstream).
 
-`proxy.turn.Turn` is what sets them on an answer; `store_headers` only formats them."""
+`proxy.turns.turn.Turn` is what sets them on an answer; `store_headers` only formats them."""
 
 from __future__ import annotations
 

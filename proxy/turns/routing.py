@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..openai.requests import ApiRequest
+from ..settings import Settings
 from .backend import LocalBackend
-from .openai.requests import ApiRequest
-from .settings import Settings
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,18 +16,18 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from ..cluster.forwarding import FORWARDER
+from ..openai.requests import ApiRequest, CompletionRequest, parse_chat, parse_completion, parse_responses
+from ..openai.responses import new_response_id
+from ..serving.response_store import ResponseStore
+from ..turns.routing import choose_route
+from ..turns.session import resolve_session
+from ..turns.tenant import tenant_of
+from ..turns.turn import TURN
+from ..upstream.forward import forward_chat, forward_upstream
+from .app_keys import LOCAL_BACKEND, SESSION_INDEX, SETTINGS
 from .errors import APIError
-from .forwarding import FORWARDER
-from .keys import LOCAL_BACKEND, SESSION_INDEX, SETTINGS
 from .limits import read_body, refuse_oversized_local_body
-from .openai.requests import ApiRequest, CompletionRequest, parse_chat, parse_completion, parse_responses
-from .openai.responses import new_response_id
-from .routing import choose_route
-from .serving.response_store import ResponseStore
-from .session import resolve_session
-from .tenant import tenant_of
-from .turn import TURN
-from .upstream import forward_chat, forward_upstream
 
 
 async def _read(request: web.Request) -> bytes:

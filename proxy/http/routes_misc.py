@@ -10,10 +10,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from .header_filter import outbound_headers
-from .keys import HTTP_CLIENT, LOCAL_BACKEND, SETTINGS
-from .settings import replica_id
-from .upstream import upstream_url
+from ..settings import replica_id
+from ..upstream.forward import upstream_url
+from ..upstream.header_filter import outbound_headers
+from .app_keys import HTTP_CLIENT, LOCAL_BACKEND, SETTINGS
 
 log = logging.getLogger("attnstore")
 

@@ -1,6 +1,6 @@
 """The one seam between the proxy and local serving: `LocalBackend`.
 
-The app holds one under `keys.LOCAL_BACKEND` (None: everything goes upstream), built when the app starts
+The app holds one under `app_keys.LOCAL_BACKEND` (None: everything goes upstream), built when the app starts
 and closed when it stops (`app.local_serving`, a cleanup_ctx). The turn handlers (chat, completions,
 responses) ask it whether it `supports` a request, then let it `handle` a local turn, reporting its
 outcome through the `Turn`. The
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
-from .openai.requests import ApiRequest
+from ..openai.requests import ApiRequest
 from .turn import Turn
 
 if TYPE_CHECKING:  # torch loads only when the local runner is enabled

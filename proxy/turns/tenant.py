@@ -11,7 +11,7 @@ import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
 
-from .errors import APIError
+from ..http.errors import APIError
 
 ANONYMOUS = "anonymous"
 

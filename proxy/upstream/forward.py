@@ -23,14 +23,14 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from .errors import APIError, error_body
+from ..http.app_keys import HTTP_CLIENT, METRICS, SETTINGS
+from ..http.errors import APIError, error_body
+from ..http.limits import StreamedBody
+from ..openai.requests import ApiRequest
+from ..settings import Settings, replica_id
+from ..turns.headers import REPLICA, ROUTE
+from ..turns.turn import Turn
 from .header_filter import inbound_headers, outbound_headers
-from .headers import REPLICA, ROUTE
-from .keys import HTTP_CLIENT, METRICS, SETTINGS
-from .limits import StreamedBody
-from .openai.requests import ApiRequest
-from .settings import Settings, replica_id
-from .turn import Turn
 
 _T = TypeVar("_T")
 

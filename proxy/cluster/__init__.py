@@ -1,0 +1,1 @@
+"""Replicas together: the session index (memory or Redis) and KV-aware forwarding between them."""

@@ -1,0 +1,1 @@
+"""One turn: its tenant, session, route, the local-backend seam, and its outcome and headers."""
