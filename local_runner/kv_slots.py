@@ -26,6 +26,8 @@ import torch
 
 from kvtier import KVLayout
 
+from .exact_attention import KEY_BLOCK, padded_keys
+
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -36,7 +38,8 @@ class SlotPool:
         self.layout = layout
         self.device = device
         self.slots = slots
-        self.capacity = capacity
+        # whole key blocks: exact attention reads a row's keys in blocks of KEY_BLOCK (exact_attention.py)
+        self.capacity = padded_keys(capacity)
         self._lock = threading.Lock()
         self._free = list(range(slots))  # kept sorted: the lowest slot first keeps the busy range short
         self._buf: torch.Tensor | None = None
@@ -134,4 +137,4 @@ def cuda_capacity(layout: KVLayout, device: torch.device, slots: int, wanted: in
     free now, at most `wanted`. The runner then limits a job's prompt + answer to it."""
     free, _total = torch.cuda.mem_get_info(device)
     fit = int(free * share) // max(1, slots * layout.bytes_per_token)
-    return max(16, min(wanted, fit))
+    return max(KEY_BLOCK, min(wanted, fit // KEY_BLOCK * KEY_BLOCK))

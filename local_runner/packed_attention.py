@@ -12,11 +12,11 @@ lives in its slot of the model's KV pool (kv_slots.py). Per layer, a step does:
   for a long one's keys (see `_split_outliers`);
 - one call per job whose prompt is being prefilled (a chunk of many queries: causal within the chunk).
 
-`batch_invariant`: every decoding job attends alone, over exactly its own length, so its result cannot
-depend on which other jobs share the step (the batched call pads rows to the longest job, which changes
-the order of the floating-point sums); and every prompt token attends the same way, row by row, so KV
-computed in a prompt chunk equals KV computed a token at a time (reuse exact in every dtype). See
-docs/engine.md, "Batch invariance".
+`batch_invariant` (the default): the same calls, made by exact_attention.py, whose every row is computed
+the same way whatever shares the call (keys in whole blocks, products of a fixed minimum row count), so
+a job's result cannot depend on which other jobs share the step, and KV computed in a prompt chunk equals
+KV computed a token at a time (reuse exact in every dtype). Without it, torch's flash attention, whose
+rounding depends on the call's shape. See docs/engine.md, "Batch invariance".
 
 How it plugs into transformers without model-specific code: the model runs with an attention function
 registered under `PACKED` (AttentionInterface), every token gets its own job's position (`position_ids`),
@@ -36,6 +36,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from . import exact_attention, exact_kernel
 from .job_kv import JobKV
 from .kv_slots import SlotPool
 
@@ -73,9 +74,17 @@ class _Decode:
     rows: int
     keys: int
     mask: torch.Tensor
+    lengths: list[int]  # each row's keys (1 for a free slot between the jobs: never read)
     slot_rows: torch.Tensor | None
     packed: torch.Tensor | None
     packed_range: tuple[int, int]
+    _exact_bias: torch.Tensor | None = None
+
+    def exact_bias(self, capacity: int, device: torch.device) -> torch.Tensor:
+        """exact_attention's mask of these rows, made by the first layer and reused by the others."""
+        if self._exact_bias is None:
+            self._exact_bias = exact_attention.decode_bias(self.lengths, capacity, device)
+        return self._exact_bias
 
 
 @dataclass
@@ -99,10 +108,12 @@ class PackedPlan:
     batch_invariant: bool = False
     _groups: list[_PoolGroup] | None = None
     _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # exact_attention's masks of this step (the same for every layer), by the key their maker gives
+    exact_biases: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
 
     def groups(self, device: torch.device, dtype: torch.dtype) -> list[_PoolGroup]:
         if self._groups is None:
-            self._groups = _group(self.segments, device, dtype, self.batch_invariant)
+            self._groups = _group(self.segments, device, dtype)
         return self._groups
 
     def causal_mask(self, n: int, past: int, device: torch.device) -> torch.Tensor:
@@ -146,15 +157,14 @@ def _decode_layout(together: list[Segment], device: torch.device, dtype: torch.d
         rows=hi - lo,
         keys=keys,
         mask=mask.to(device),
+        lengths=per_row.clamp(min=1).tolist(),
         slot_rows=None if hi - lo == len(slots) else torch.tensor([s - lo for s in slots], device=device),
         packed=None if contiguous else torch.tensor(offsets, device=device),
         packed_range=(first, first + len(offsets)),
     )
 
 
-def _group(
-    segments: list[Segment], device: torch.device, dtype: torch.dtype, invariant: bool
-) -> list[_PoolGroup]:
+def _group(segments: list[Segment], device: torch.device, dtype: torch.dtype) -> list[_PoolGroup]:
     by_pool: dict[int, list[Segment]] = {}
     for seg in segments:
         by_pool.setdefault(id(seg.kv.pool), []).append(seg)
@@ -169,7 +179,7 @@ def _group(
             slots.extend([s.kv.slot] * s.n)
             positions.extend(range(s.kv.length, s.kv.length + s.n))
         ones = [s for s in segs if s.n == 1]
-        together, alone = ([], ones) if invariant else _split_outliers(ones)
+        together, alone = _split_outliers(ones)
         if len(together) == 1:
             together, alone = [], alone + together
         groups.append(
@@ -197,11 +207,36 @@ def attend(
     head_dim], key and value [tokens, kv_heads, head_dim] in (views are fine), [tokens, heads, head_dim]
     out. Writes the new tokens' K/V into their jobs' slots first."""
     groups = plan.groups(query.device, query.dtype)
+    if plan.batch_invariant and query.device.type == "cpu" and exact_kernel.ready():
+        return _exact_kernel_step(groups, layer, query, key, value, scaling)
     if len(groups) == 1 and _decode_only(groups[0], query.shape[0]):
-        return _decode_step(groups[0], layer, query, key, value, scaling)  # no scatter into `out`
+        # no scatter into `out`
+        return _decode_step(groups[0], layer, query, key, value, scaling, plan)
     out = query.new_empty(query.shape)
     for g in groups:
         _attend_group(plan, g, layer, query, key, value, scaling, out)
+    return out
+
+
+def _exact_kernel_step(
+    groups: list[_PoolGroup],
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """`attend` by exact_kernel: one call per pool for every token of the step, decoding or prefilling,
+    each attending to its own slot's keys up to its own position."""
+    if len(groups) == 1 and groups[0].rows is None:
+        g = groups[0]
+        k_pool, v_pool = _write_kv(g, layer, key, value)
+        return exact_kernel.attend(query, k_pool, v_pool, g.slots, g.positions + 1, scaling)
+    out = query.new_empty(query.shape)
+    for g in groups:
+        k_pool, v_pool = _write_kv(g, layer, key, value)
+        rows = slice(None) if g.rows is None else g.rows
+        out[rows] = exact_kernel.attend(query[rows], k_pool, v_pool, g.slots, g.positions + 1, scaling)
     return out
 
 
@@ -230,35 +265,51 @@ def _write_kv(
 
 
 def _decode_step(
-    g: _PoolGroup, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    g: _PoolGroup,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    plan: PackedPlan,
 ) -> torch.Tensor:
     """`attend` for a step of decoding tokens only, in slot order: the result is the call's own output."""
     k_pool, v_pool = _write_kv(g, layer, key, value)
     if g.decode is None:
         seg = g.decode_alone[0]
-        return _row_attention(query[0], k_pool, v_pool, seg.kv.slot, seg.kv.length + 1, scaling)[None]
-    return _batched_decode(g.decode, query, k_pool, v_pool, scaling)
+        return _row_attention(query[0], k_pool, v_pool, seg.kv.slot, seg.kv.length + 1, scaling, plan)[None]
+    return _batched_decode(g.decode, query, k_pool, v_pool, scaling, plan.batch_invariant)
 
 
 def _batched_decode(
-    d: _Decode, queries: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scaling: float
+    d: _Decode,
+    queries: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    scaling: float,
+    exact: bool,
 ) -> torch.Tensor:
     """The decoding jobs' queries ([jobs, heads, head_dim], in slot order) in ONE call against their
     slots' K/V, each row masked past its own job's length; [jobs, heads, head_dim] out. The query heads
     that share a K/V head are folded into the query axis, so K/V are never expanded."""
     jobs, heads, head_dim = queries.shape
     kv_heads = k_pool.shape[1]
+    rows = slice(d.lo, d.lo + d.rows)
+    if exact:
+        q = queries
+        if d.slot_rows is not None:  # free slots between the jobs get zero queries (dropped after)
+            q = queries.new_zeros(d.rows, heads, head_dim)
+            q[d.slot_rows] = queries
+        bias = d.exact_bias(k_pool.shape[2], q.device)
+        o = exact_attention.decode_rows(q, k_pool[rows], v_pool[rows], bias, scaling)
+        return o if d.slot_rows is None else o[d.slot_rows]
     q = queries.reshape(jobs, kv_heads, heads // kv_heads, head_dim)
-    if d.slot_rows is not None:  # free slots between the jobs' get zero queries, masked rows
+    if d.slot_rows is not None:  # free slots between the jobs get zero queries, masked rows
         spread = q.new_zeros(d.rows, *q.shape[1:])
         spread[d.slot_rows] = q
         q = spread
     o = F.scaled_dot_product_attention(
-        q,
-        k_pool[d.lo : d.lo + d.rows, :, : d.keys],
-        v_pool[d.lo : d.lo + d.rows, :, : d.keys],
-        attn_mask=d.mask,
-        scale=scaling,
+        q, k_pool[rows, :, : d.keys], v_pool[rows, :, : d.keys], attn_mask=d.mask, scale=scaling
     )
     if d.slot_rows is not None:
         o = o[d.slot_rows]
@@ -266,12 +317,26 @@ def _batched_decode(
 
 
 def _row_attention(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot: int, end: int, scaling: float
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slot: int,
+    end: int,
+    scaling: float,
+    plan: PackedPlan,
 ) -> torch.Tensor:
     """One token's query ([heads, head_dim]) against its slot's keys [0, end), query heads folded as in
     `_batched_decode`; [heads, head_dim] out."""
     heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
+    if plan.batch_invariant:
+        bias = plan.exact_biases.get((-1, slot, end))
+        if bias is None:
+            bias = exact_attention.decode_bias([end], k_pool.shape[2], q.device)
+            plan.exact_biases[(-1, slot, end)] = bias
+        return exact_attention.decode_rows(
+            q[None], k_pool[slot : slot + 1], v_pool[slot : slot + 1], bias, scaling
+        )[0]
     o = F.scaled_dot_product_attention(
         q.reshape(1, kv_heads, heads // kv_heads, head_dim),
         k_pool[slot : slot + 1, :, :end],
@@ -292,27 +357,28 @@ def _attend_group(
     out: torch.Tensor,
 ) -> None:
     k_pool, v_pool = _write_kv(g, layer, key, value)
+    exact = plan.batch_invariant
     d = g.decode
     if d is not None:
         first, end = d.packed_range
         rows = slice(first, end) if d.packed is None else d.packed
-        out[rows] = _batched_decode(d, query[rows], k_pool, v_pool, scaling)
+        out[rows] = _batched_decode(d, query[rows], k_pool, v_pool, scaling, exact)
     for seg in g.decode_alone:
         out[seg.offset] = _row_attention(
-            query[seg.offset], k_pool, v_pool, seg.kv.slot, seg.kv.length + 1, scaling
+            query[seg.offset], k_pool, v_pool, seg.kv.slot, seg.kv.length + 1, scaling, plan
         )
     for seg in g.prefill:
-        if plan.batch_invariant:
-            # Row by row, each exactly as a decoding token attends: the flash kernel rounds a row of a
-            # causal chunk differently with the chunk's length, so stored KV (computed in the chunks
-            # of earlier turns, its answers a token at a time) would not equal a recompute's.
-            for j in range(seg.n):
-                row = seg.offset + j
-                out[row] = _row_attention(
-                    query[row], k_pool, v_pool, seg.kv.slot, seg.kv.length + j + 1, scaling
-                )
-            continue
         past, n, slot = seg.kv.length, seg.n, seg.kv.slot
+        if exact:
+            out[seg.offset : seg.offset + n] = exact_attention.prefill_rows(
+                query[seg.offset : seg.offset + n],
+                k_pool[slot],
+                v_pool[slot],
+                past,
+                scaling,
+                plan.exact_biases,
+            )
+            continue
         o = F.scaled_dot_product_attention(
             query[seg.offset : seg.offset + n].transpose(0, 1)[None],
             k_pool[slot : slot + 1, :, : past + n],

@@ -1,0 +1,115 @@
+"""The row-invariant CPU attention kernel (exact_attention.cpp): built once per machine with the system's C++
+compiler (torch's cpp_extension, ~30-60 s on 2 cores), kept under the runner's cache folder, loaded in
+milliseconds at later starts.
+
+Why a kernel of our own: a row's rounding must depend on its own query and keys only. torch's attention
+and matrix products choose their blocking by the shape of the whole call (the chunk's length, the batch's
+longest job, the number of rows), so the same token rounds differently alone, batched, or inside a prompt
+chunk; exact_attention.py gets invariance out of them with padded shapes, measured per machine, at some
+cost. This kernel has it by construction (one fixed loop per row) and reads each row's keys once.
+
+Where it cannot be built (no compiler, CUDA tensors), the step uses exact_attention.py's padded calls;
+the reason is logged once and shown in /healthz (`attention`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("attnstore.runner")
+
+_SOURCE = Path(__file__).with_name("exact_attention.cpp")
+_lock = threading.Lock()
+_module: Any = None
+_failure: str | None = None
+# Where the built kernel is kept: the runner's cache folder (settings: local_runner.cache_dir), set by
+# whoever builds the runner; relative to the working directory until then.
+_cache_dir = Path("var/models")
+
+
+def use_cache_dir(folder: Path) -> None:
+    global _cache_dir
+    _cache_dir = folder
+
+
+def ensure_built() -> str | None:
+    """`build` into the configured cache folder."""
+    return build(_cache_dir)
+
+
+def machine_key() -> str:
+    """What the built code depends on beyond its source (cpp_extension rebuilds when that changes): torch
+    and this CPU's instruction sets (`-march=native`), so a folder shared by other machines is safe."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    digest = hashlib.sha256(f"{torch.__version__}|{flags}".encode()).hexdigest()[:12]
+    return f"{platform.machine()}-{digest}"
+
+
+def build(cache_dir: Path) -> str | None:
+    """Build (or load the built) kernel under `cache_dir`; None when it is ready, else why not.
+    Idempotent and thread-safe: the first caller builds, the others wait for it."""
+    global _module, _failure
+    with _lock:
+        if _module is not None or _failure is not None:
+            return _failure
+        try:
+            from torch.utils import cpp_extension
+
+            folder = cache_dir / "kernels" / machine_key()
+            folder.mkdir(parents=True, exist_ok=True)
+            # cpp_extension runs `ninja` from PATH: the one installed beside this Python comes first
+            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+            _module = cpp_extension.load_inline(
+                name="attnstore_exact_attention",
+                cpp_sources=[_SOURCE.read_text()],
+                functions=["exact_attend"],
+                # -fopenmp: at::parallel_for's OpenMP region is in a header, compiled here
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                verbose=False,
+            )
+        except Exception as exc:  # no compiler, no ninja, a failed build: the padded calls serve
+            _failure = (str(exc).strip().split("\n")[0][:200]) or type(exc).__name__
+            log.warning("exact attention kernel not built (%s): exact_attention.py's calls serve", _failure)
+        return _failure
+
+
+def ready() -> bool:
+    return _module is not None
+
+
+def describe() -> str:
+    """The exact step's attention, for /healthz."""
+    if _module is not None:
+        return "exact (kernel)"
+    return f"exact (padded calls: {_failure or 'kernel not built'})"
+
+
+def attend(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [tokens, heads, dim]; k_pool, v_pool [slots, kv_heads, capacity, dim] (one layer of a pool);
+    token t attends to the first lengths[t] keys of slot slots[t]; [tokens, heads, dim] out."""
+    return _module.exact_attend(q, k_pool, v_pool, slots, lengths, scale)

@@ -1,0 +1,80 @@
+"""exact_attention (issue 29): a row's attention output is bit for bit the one it gets alone, whether it
+is decoded beside other jobs of any length or computed inside a prompt chunk of any size and offset, in
+float32 and bfloat16. No model: random queries against a random KV pool, shaped as SmolLM2's (9 query
+heads sharing 3 K/V heads, head_dim 64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from local_runner.exact_attention import decode_bias, decode_rows, padded_keys, prefill_rows
+
+HEADS, KV_HEADS, DIM, CAPACITY = 9, 3, 64, 1024
+SCALE = DIM**-0.5
+
+
+def pool(dtype: torch.dtype, slots: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(slots, KV_HEADS, CAPACITY, DIM, generator=g).to(dtype)
+    v = torch.randn(slots, KV_HEADS, CAPACITY, DIM, generator=g).to(dtype)
+    return k, v
+
+
+def queries(n: int, dtype: torch.dtype, seed: int = 2) -> torch.Tensor:
+    return torch.randn(n, HEADS, DIM, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int, length: int) -> torch.Tensor:
+    """One token decoded alone: its query against its slot's first `length` keys."""
+    bias = decode_bias([length], CAPACITY, q.device)
+    return decode_rows(q[None], k[slot : slot + 1], v[slot : slot + 1], bias, SCALE)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_chunk_row_equals_the_token_decoded_alone(dtype):
+    k, v = pool(dtype)
+    q = queries(300, dtype)
+    for past, n in [(0, 1), (0, 2), (0, 7), (0, 64), (0, 300), (5, 3), (37, 130), (200, 100), (600, 257)]:
+        chunk = prefill_rows(q[:n], k[0], v[0], past, SCALE)
+        for j in sorted({0, min(1, n - 1), n // 2, n - 1}):
+            assert torch.equal(chunk[j], alone(q[j], k, v, 0, past + j + 1)), (past, n, j)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_of_any_size_give_the_same_rows(dtype):
+    k, v = pool(dtype)
+    q = queries(512, dtype)
+    whole = prefill_rows(q, k[1], v[1], 0, SCALE)
+    for size in (64, 100, 256):
+        parts = [prefill_rows(q[a : a + size], k[1], v[1], a, SCALE) for a in range(0, 512, size)]
+        assert torch.equal(torch.cat(parts), whole), size
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_beside_jobs_of_other_lengths_equals_alone(dtype):
+    k, v = pool(dtype)
+    q = queries(6, dtype)
+    for lengths in ([1, 2, 3, 4, 5, 6], [17, 900, 64, 65, 1, 300], [1000, 1024, 5, 513, 129, 8]):
+        batched = decode_rows(q, k, v, decode_bias(lengths, CAPACITY, q.device), SCALE)
+        for r, length in enumerate(lengths):
+            assert torch.equal(batched[r], alone(q[r], k, v, r, length)), (lengths, r)
+
+
+def test_exact_attention_is_attention():
+    """The exact calls compute what torch's attention computes (to float32 rounding)."""
+    k, v = pool(torch.float32)
+    q = queries(40, torch.float32)
+    past = 90
+    got = prefill_rows(q, k[2], v[2], past, SCALE)
+    mask = torch.ones(40, past + 40, dtype=torch.bool).tril(past)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k[2:3, :, : past + 40],
+        v[2:3, :, : past + 40],
+        attn_mask=mask,
+        scale=SCALE,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert padded_keys(1) == 64 and padded_keys(64) == 64 and padded_keys(65) == 128
