@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -75,60 +76,91 @@ inline v8f exp8(v8f x) {
   return tiny ? splat(0.0f) : p * scale;
 }
 
-template <typename T>
+// The lanes' sums of eight vectors at once, each in sum8's tree: out[r] == sum8(x[r]) bit for bit.
+inline v8f sum8x8(const v8f* x) {
+  const v8i even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
+  const v8i low = {0, 1, 2, 3, 8, 9, 10, 11}, high = {4, 5, 6, 7, 12, 13, 14, 15};
+  v8f pair[4], quad[2];
+  for (int r = 0; r < 4; ++r)  // rows 2r, 2r+1: (0+1), (2+3), ..., (6+7)
+    pair[r] = __builtin_shuffle(x[2 * r], x[2 * r + 1], even) + __builtin_shuffle(x[2 * r], x[2 * r + 1], odd);
+  for (int r = 0; r < 2; ++r)  // ((0+1)+(2+3)) and ((4+5)+(6+7)) of four rows
+    quad[r] = __builtin_shuffle(pair[2 * r], pair[2 * r + 1], even) +
+              __builtin_shuffle(pair[2 * r], pair[2 * r + 1], odd);
+  return __builtin_shuffle(quad[0], quad[1], low) + __builtin_shuffle(quad[0], quad[1], high);
+}
+
+// scores[j] = dot(query, k_j) * scale for j < length: eight keys at a time (independent sums), the rest
+// one by one; either way each dot is the same lane-wise sum and the same tree.
+template <typename T, int C>
+void score_keys(const v8f* query, const T* keys, int64_t length, int64_t dim, float scale, float* scores) {
+  int64_t j = 0;
+  for (; j + kLanes <= length; j += kLanes) {
+    v8f lane[kLanes];
+    for (int64_t r = 0; r < kLanes; ++r) {
+      const T* key = keys + (j + r) * dim;
+      lane[r] = query[0] * load8(key);
+      for (int c = 1; c < C; ++c) lane[r] += query[c] * load8(key + c * kLanes);
+    }
+    const v8f s = sum8x8(lane) * splat(scale);
+    std::memcpy(scores + j, &s, sizeof(s));
+  }
+  for (; j < length; ++j) {
+    const T* key = keys + j * dim;
+    v8f lane = query[0] * load8(key);
+    for (int c = 1; c < C; ++c) lane += query[c] * load8(key + c * kLanes);
+    scores[j] = sum8(lane) * scale;
+  }
+}
+
+// out[0:dim] = sum_j weights[j] * v_j (j in order), the sums held in registers.
+template <typename T, int C>
+void weigh_values(const float* weights, const T* values, int64_t length, int64_t dim, v8f* out) {
+  v8f acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = splat(0.0f);
+  for (int64_t j = 0; j < length; ++j) {
+    const v8f w = splat(weights[j]);
+    const T* value = values + j * dim;
+    for (int c = 0; c < C; ++c) acc[c] += w * load8(value + c * kLanes);
+  }
+  for (int c = 0; c < C; ++c) out[c] = acc[c];
+}
+
+template <typename T, int C>
 void attend_rows(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lengths, T* out,
-                 int64_t tokens, int64_t heads, int64_t kv_heads, int64_t capacity, int64_t dim,
-                 float scale) {
+                 int64_t tokens, int64_t heads, int64_t kv_heads, int64_t capacity, float scale) {
+  const int64_t dim = C * kLanes;
   const int64_t group = heads / kv_heads;
-  const int64_t chunks = dim / kLanes;
   at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<v8f> query(group * chunks), acc(group * chunks), key(chunks);
+    std::vector<v8f> query(C), acc(C);
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / kv_heads, kvh = item % kv_heads;
+      // K/V head-major: neighbouring items (a prompt chunk's tokens) read the same keys, still cached
+      const int64_t kvh = item / tokens, t = item % tokens;
       const int64_t length = lengths[t];
       const int64_t padded = (length + kLanes - 1) / kLanes * kLanes;
       const T* keys = k + (slots[t] * kv_heads + kvh) * capacity * dim;
       const T* values = v + (slots[t] * kv_heads + kvh) * capacity * dim;
-      const T* qt = q + (t * heads + kvh * group) * dim;
-      for (int64_t i = 0; i < group * chunks; ++i) query[i] = load8(qt + i * kLanes);
-      scores.assign(group * padded, -std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < length; ++j) {
-        for (int64_t c = 0; c < chunks; ++c) key[c] = load8(keys + j * dim + c * kLanes);
-        for (int64_t h = 0; h < group; ++h) {
-          v8f lane = query[h * chunks] * key[0];
-          for (int64_t c = 1; c < chunks; ++c) lane += query[h * chunks + c] * key[c];
-          scores[h * padded + j] = sum8(lane) * scale;
-        }
-      }
-      float total[64];
+      scores.assign(padded, -std::numeric_limits<float>::infinity());
       for (int64_t h = 0; h < group; ++h) {
-        float* row = scores.data() + h * padded;
-        float top = row[0];
-        for (int64_t j = 1; j < length; ++j) top = row[j] > top ? row[j] : top;
+        const int64_t head = kvh * group + h;
+        for (int c = 0; c < C; ++c) query[c] = load8(q + (t * heads + head) * dim + c * kLanes);
+        score_keys<T, C>(query.data(), keys, length, dim, scale, scores.data());
+        float top = scores[0];
+        for (int64_t j = 1; j < length; ++j) top = scores[j] > top ? scores[j] : top;
         v8f sums = splat(0.0f);
         for (int64_t j = 0; j < padded; j += kLanes) {
-          const v8f e = exp8(load8(row + j) - splat(top));
-          std::memcpy(row + j, &e, sizeof(e));
+          const v8f e = exp8(load8(scores.data() + j) - splat(top));
+          std::memcpy(scores.data() + j, &e, sizeof(e));
           sums += e;
         }
-        total[h] = sum8(sums);
-      }
-      for (int64_t i = 0; i < group * chunks; ++i) acc[i] = splat(0.0f);
-      for (int64_t j = 0; j < length; ++j) {
-        for (int64_t c = 0; c < chunks; ++c) key[c] = load8(values + j * dim + c * kLanes);  // v_j
-        for (int64_t h = 0; h < group; ++h) {
-          const v8f w = splat(scores[h * padded + j]);
-          for (int64_t c = 0; c < chunks; ++c) acc[h * chunks + c] += w * key[c];
-        }
-      }
-      for (int64_t h = 0; h < group; ++h) {
-        const v8f inv = splat(1.0f / total[h]);
-        T* dst = out + (t * heads + kvh * group + h) * dim;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const v8f o = acc[h * chunks + c] * inv;
+        weigh_values<T, C>(scores.data(), values, length, dim, acc.data());
+        const v8f inv = splat(1.0f / sum8(sums));
+        T* dst = out + (t * heads + head) * dim;
+        for (int c = 0; c < C; ++c) {
+          const v8f o = acc[c] * inv;
           for (int64_t l = 0; l < kLanes; ++l) dst[c * kLanes + l] = static_cast<T>(o[l]);
         }
+        std::fill(scores.begin() + length, scores.end(), -std::numeric_limits<float>::infinity());
       }
     }
   });
@@ -150,15 +182,28 @@ at::Tensor exact_attend(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::
   auto out = at::empty_like(qc);
   const int64_t tokens = qc.size(0), heads = qc.size(1), dim = qc.size(2);
   const int64_t kv_heads = k_pool.size(1), capacity = k_pool.size(2);
-  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= 64, "exact_attend: heads");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "exact_attend", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "exact_attend: float64 is not supported");
-    } else {
-      attend_rows<scalar_t>(qc.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
-                            sc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), tokens,
-                            heads, kv_heads, capacity, dim, static_cast<float>(scale));
+  TORCH_CHECK(heads % kv_heads == 0, "exact_attend: heads");
+  auto by_dim = [&](auto type) {
+    using scalar_t = typename decltype(type)::type;
+    auto run = [&](auto chunks) {
+      attend_rows<scalar_t, decltype(chunks)::value>(
+          qc.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
+          sc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), tokens, heads, kv_heads,
+          capacity, static_cast<float>(scale));
+    };
+    switch (dim) {  // the head sizes of today's models; others are refused (the padded calls serve)
+      case 32: run(std::integral_constant<int, 4>{}); break;
+      case 64: run(std::integral_constant<int, 8>{}); break;
+      case 128: run(std::integral_constant<int, 16>{}); break;
+      case 256: run(std::integral_constant<int, 32>{}); break;
+      default: TORCH_CHECK(false, "exact_attend: head_dim ", dim, " is not 32, 64, 128 or 256");
     }
-  });
+  };
+  switch (qc.scalar_type()) {
+    case at::kFloat: by_dim(std::type_identity<float>{}); break;
+    case at::kBFloat16: by_dim(std::type_identity<at::BFloat16>{}); break;
+    case at::kHalf: by_dim(std::type_identity<at::Half>{}); break;
+    default: TORCH_CHECK(false, "exact_attend: dtype ", qc.scalar_type(), " is not float32, bfloat16 or float16");
+  }
   return out;
 }

@@ -1,14 +1,18 @@
-"""exact_attention (issue 29): a row's attention output is bit for bit the one it gets alone, whether it
-is decoded beside other jobs of any length or computed inside a prompt chunk of any size and offset, in
-float32 and bfloat16. No model: random queries against a random KV pool, shaped as SmolLM2's (9 query
+"""Exact attention (issue 29), the kernel and the padded calls: a row's attention output is bit for bit
+the one it gets alone, whether it is decoded beside other jobs of any length or computed inside a prompt
+chunk of any size and offset, in float32 and bfloat16. No model: random queries against a random KV pool, shaped as SmolLM2's (9 query
 heads sharing 3 K/V heads, head_dim 64)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
+from local_runner import exact_kernel
 from local_runner.exact_attention import decode_bias, decode_rows, padded_keys, prefill_rows
+from tests.model_fixture import REPO
 
 HEADS, KV_HEADS, DIM, CAPACITY = 9, 3, 64, 1024
 SCALE = DIM**-0.5
@@ -78,3 +82,47 @@ def test_exact_attention_is_attention():
     )[0].transpose(0, 1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert padded_keys(1) == 64 and padded_keys(64) == 64 and padded_keys(65) == 128
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The C++ kernel, built as the runner builds it (under var/models: once per machine)."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the runner uses the padded calls")
+    assert exact_kernel.build(REPO / "var" / "models") is None  # a compiler is here: it must build
+    return exact_kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_computes_every_row_as_alone(kernel, dtype):
+    """One call for a whole step: a prompt chunk of slot 0 and decoding rows of other slots; each row
+    equals the row computed alone, and a chunk split differently gives the same rows."""
+    k, v = pool(dtype)
+    q = queries(300, dtype)
+    slots = torch.tensor([0] * 290 + [1, 2, 3, 4, 5, 1, 2, 3, 4, 5])
+    lengths = torch.tensor([600 + i + 1 for i in range(290)] + [1, 17, 64, 65, 900, 2, 3, 1000, 129, 8])
+    step = kernel.attend(q, k, v, slots, lengths, SCALE)
+    for r in (0, 1, 100, 289, 290, 293, 294, 297, 299):
+        alone = kernel.attend(q[r : r + 1], k, v, slots[r : r + 1], lengths[r : r + 1], SCALE)
+        assert torch.equal(step[r : r + 1], alone), r
+    halves = torch.cat(
+        [kernel.attend(q[a:b], k, v, slots[a:b], lengths[a:b], SCALE) for a, b in ((0, 7), (7, 300))]
+    )
+    assert torch.equal(halves, step)
+
+
+def test_the_kernel_is_attention(kernel):
+    k, v = pool(torch.float32)
+    q = queries(40, torch.float32)
+    past = 90
+    got = kernel.attend(q, k, v, torch.full((40,), 2), torch.arange(past + 1, past + 41), SCALE)
+    mask = torch.ones(40, past + 40, dtype=torch.bool).tril(past)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k[2:3, :, : past + 40],
+        v[2:3, :, : past + 40],
+        attn_mask=mask,
+        scale=SCALE,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
