@@ -1,11 +1,13 @@
-"""The packed decode step alone, eager against compiled, in one process: milliseconds per step for N
-decoding jobs at a fixed context, and the compile's start-up time.
+"""The packed step alone, two variants in one process: milliseconds per decode step for N decoding jobs
+at a fixed context, the prefill of a long prompt, and each variant's start-up time.
 
     python -m bench.step_time [--jobs 1 4 8 16] [--context 100] [--reps 30] [--dtype auto]
+                              [--variants exact compiled] [--prefill 2000]
 
-Both variants time `ModelStep.forward` (the step the runner calls, attention and KV writes included;
-no scheduling, sampling or HTTP) on the thread that compiled and warmed them up, interleaved per job
-count. Run it alone on the machine.
+Variants: `exact` (the default engine: batch_invariant, eager), `compiled` (batch_invariant false,
+torch.compile: the rounding-dependent path), `eager` (batch_invariant false, eager). Each times
+`ModelStep.forward` (the step the runner calls, attention and KV writes included; no scheduling,
+sampling or HTTP) on the thread that warmed it up, interleaved per job count. Run it alone.
 """
 
 from __future__ import annotations
@@ -24,25 +26,43 @@ from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 from .support.waiting import wait_until
 
+VARIANTS = {"exact": (False, True), "compiled": (True, False), "eager": (False, False)}
 
-def prepare(args: argparse.Namespace, *, compile: bool) -> ModelStep:
+
+def prepare(args: argparse.Namespace, variant: str) -> ModelStep:
     """A model of its own per variant (a compiled step needs the linear layers as loaded)."""
+    compile, invariant = VARIANTS[variant]
     lm = load_model(DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE, dtype=args.dtype, cache_dir=args.cache_dir)
     step = ModelStep.prepare(
         lm,
         slots=max(args.jobs),
-        context=args.context + args.reps + 16,
+        context=max(args.context + args.reps + 16, args.prefill + 16),
         batch=True,
-        batch_invariant=False,
+        batch_invariant=invariant,
         compile=compile,
     )
     started = time.perf_counter()
     step.warm_up(step.forward)
     wait_until(lambda: not step.compiling, "the compile", 900, interval=0.2)  # it runs on its own thread
-    print(
-        f"{'compiled' if compile else 'eager'}: warm-up {time.perf_counter() - started:.1f} s ({step.compile_status})"
-    )
+    print(f"{variant}: warm-up {time.perf_counter() - started:.1f} s ({step.compile_status})")
     return step
+
+
+def prefill_s(step: ModelStep, tokens: int, chunk: int = 512) -> float:
+    """Seconds to prefill a fresh `tokens`-token prompt in chunks of `chunk` (the runner's default)."""
+    slot = step.pool.acquire()
+    assert slot is not None
+    kv = JobKV(step.pool, slot)
+    try:
+        started = time.perf_counter()
+        for first in range(0, tokens, chunk):
+            n = min(chunk, tokens - first)
+            step.forward(
+                [Work(kv, [42 + (first + i) % 1000 for i in range(n)], want_logits=first + n == tokens)]
+            )
+        return time.perf_counter() - started
+    finally:
+        step.pool.release(slot)
 
 
 def step_ms(step: ModelStep, jobs: int, context: int, reps: int) -> float:
@@ -68,16 +88,26 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--context", type=int, default=100)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--prefill", type=int, default=2000, help="a prompt's tokens to time (0: none)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--variants", nargs=2, default=["exact", "compiled"], choices=sorted(VARIANTS))
     parser.add_argument("--cache-dir", type=Path, default=Path("var/models"))
     args = parser.parse_args()
     use_cache_dir(args.cache_dir / "compiled")
-    steps = {"eager": prepare(args, compile=False), "compiled": prepare(args, compile=True)}
-    print(f"\n{steps['eager'].lm.dtype}, {args.context}-token contexts, medians of {args.reps}")
-    print("| decoding jobs | eager ms | compiled ms | ratio |\n|---|---|---|---|")
+    a, b = args.variants
+    steps = {v: prepare(args, v) for v in (a, b)}
+    print(f"\n{steps[a].lm.dtype}, {args.context}-token contexts, medians of {args.reps}")
+    print(f"| decoding jobs | {a} ms | {b} ms | {a} / {b} |\n|---|---|---|---|")
     for jobs in args.jobs:
-        eager, compiled = (step_ms(steps[k], jobs, args.context, args.reps) for k in ("eager", "compiled"))
-        print(f"| {jobs} | {eager:.1f} | {compiled:.1f} | {compiled / eager:.2f} |")
+        x, y = (step_ms(steps[v], jobs, args.context, args.reps) for v in (a, b))
+        print(f"| {jobs} | {x:.1f} | {y:.1f} | {x / y:.2f} |", flush=True)
+    if args.prefill:
+        times: dict[str, list[float]] = {a: [], b: []}
+        for _ in range(3):
+            for v in (a, b):
+                times[v].append(prefill_s(steps[v], args.prefill))
+        x, y = (statistics.median(times[v]) for v in (a, b))
+        print(f"| prefill {args.prefill} tokens (s) | {x:.2f} | {y:.2f} | {x / y:.2f} |")
 
 
 if __name__ == "__main__":

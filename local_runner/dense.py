@@ -60,14 +60,23 @@ def rows_are_independent(
     linear: nn.Module, in_features: int, dtype: torch.dtype, max_rows: int, device: torch.device
 ) -> bool:
     """Is every row's result bit for bit the one it gets alone, whatever the number of rows beside it (1 to
-    max_rows)? A property of the kernels torch picks for this shape on this machine, so it is measured:
-    on this CPU some shapes hold for the first row only (a 1536 -> 576 product differs from row 2 on)."""
+    max_rows)? A property of the kernels torch picks for this shape on this machine, so it is measured
+    (on sampled rows and row counts: every count that changes a kernel's blocking here, and the largest):
+    MKL's float32 products differ from 2 rows on, oneDNN's packed ones did not on AVX2 (2026-12-02), and
+    a 1536 -> 576 bfloat16 product differed from row 2 on with AVX-512 BF16 (2026-12-01)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(max_rows, in_features, generator=g).to(dtype=dtype, device=device)
+    sampled = sorted(
+        {*range(min(17, max_rows)), 31, 32, 63, 64, 127, 128, 255, 256, max_rows - 1} & set(range(max_rows))
+    )
+    sizes = sorted({2, 3, 4, 5, 7, 8, 13, 16, 17, 33, 64, 128, 256, max_rows} & set(range(2, max_rows + 1)))
     with torch.inference_mode():
-        alone = torch.cat([linear(x[k : k + 1]) for k in range(max_rows)])
-        sizes = sorted({2, 3, 4, 5, 7, 8, 13, 16, 17, 33, max_rows} & set(range(2, max_rows + 1)))
-        return all(torch.equal(linear(x[:n]), alone[:n]) for n in sizes)
+        alone = {r: linear(x[r : r + 1]) for r in sampled}
+        for n in sizes:
+            out = linear(x[:n])
+            if not all(torch.equal(out[r : r + 1], alone[r]) for r in sampled if r < n):
+                return False
+    return True
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -169,33 +178,31 @@ def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, int]]:
 
 
 def make_rows_invariant(
-    model: nn.Module, dtype: torch.dtype, device: torch.device, measured_rows: int = 64, tile: int = 16
+    model: nn.Module, dtype: torch.dtype, device: torch.device, max_rows: int, tile: int = 16
 ) -> bool:
-    """Make every linear layer of `model` compute each row independently of the rows beside it: layers
-    whose kernels were measured independent up to `measured_rows` rows are only cut to that many rows per
-    call; the others multiply padded tiles of `tile` rows. Idempotent. Returns whether every layer was
-    measured independent afterwards (False: the model answers, but batch invariance is not assured)."""
+    """Make every linear layer of `model` compute each row independently of the rows beside it, for steps
+    of up to `max_rows` rows: layers whose kernels were measured independent stay as they are; the others
+    multiply padded tiles of `tile` rows. Idempotent. Returns whether every layer was measured
+    independent afterwards (False: the model answers, but batch invariance is not assured)."""
     found = [f for f in linears(model) if not isinstance(f[0], FixedRowsLinear)]
     by_shape: dict[tuple[int, int], bool] = {}
     for _, _, child, in_features in found:
         shape = (in_features, int(getattr(child, "out_features", 0)))
         if shape not in by_shape:
-            by_shape[shape] = rows_are_independent(child, in_features, dtype, measured_rows, device)
+            by_shape[shape] = rows_are_independent(child, in_features, dtype, max_rows, device)
     padded: dict[tuple[int, int], FixedRowsLinear] = {}
     for parent, name, child, in_features in found:
         shape = (in_features, int(getattr(child, "out_features", 0)))
-        independent = by_shape[shape]
-        wrapped = FixedRowsLinear(
-            child, in_features, measured_rows if independent else tile, pad=not independent
-        )
-        setattr(parent, name, wrapped)
-        if not independent:
+        if not by_shape[shape]:
+            wrapped = FixedRowsLinear(child, in_features, tile, pad=True)
+            setattr(parent, name, wrapped)
             padded.setdefault(shape, wrapped)
     log.info(
-        "batch_invariant: %d linear layers, %d shapes; padded to tiles of %d rows: %s",
+        "batch_invariant: %d linear layers, %d shapes measured up to %d rows; padded to tiles of %d rows: %s",
         len(found),
         len(by_shape),
+        max_rows,
         tile,
         sorted(padded) or "none",
     )
-    return all(rows_are_independent(m, m.in_features, dtype, measured_rows, device) for m in padded.values())
+    return all(rows_are_independent(m, m.in_features, dtype, max_rows, device) for m in padded.values())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import exact_kernel
 from .compiled import CompiledStack, first_line
 from .decoder import DecoderStack
 from .dense import make_rows_invariant
@@ -48,16 +49,20 @@ class ModelStep:
         batch: bool,
         batch_invariant: bool,
         compile: bool = False,
+        max_rows: int = 512 + 16,
     ) -> ModelStep:
         """`batch=False`: one forward per job for this model (a benchmark's same-run baseline). `compile`:
-        where the model allows, `warm_up` starts compiling the packed step on a thread of its own."""
+        where the model allows, `warm_up` starts compiling the packed step on a thread of its own.
+        `max_rows`: the most tokens one step feeds (batch_invariant measures the kernels up to it)."""
         packed = batch and _takes_packed_step(lm)
         has_stack = packed and DecoderStack.unfit(lm.model) is None
         why_not = _why_not_compiled(lm, has_stack, batch_invariant) if compile else "off"
         if why_not is not None:  # the eager dense path (before the stack: it calls the layers it finds)
             _pack(lm)
             if batch_invariant:
-                _make_rows_invariant(lm)
+                _make_rows_invariant(lm, max_rows)
+        if batch_invariant and packed and lm.device.type == "cpu":
+            exact_kernel.ensure_built()  # once per process (and once per machine: kept on disk)
         stack = _decoder_stack(lm) if packed else None
         step = cls(lm, packed, stack, _make_pool(lm, slots, context), batch_invariant, why_not is None)
         if why_not is None:
@@ -120,6 +125,7 @@ class ModelStep:
             "dtype": str(self.lm.dtype).removeprefix("torch."),
             "batched": self.packed,
             "batch_invariant": self.batch_invariant,
+            "attention": _attention_kind(self),
             "dense": self.lm.dense or "as loaded",
             "compiled": self.compile_status,
             "kv_slots": self.pool.slots,
@@ -127,12 +133,23 @@ class ModelStep:
         }
 
 
+def _attention_kind(step: ModelStep) -> str:
+    """Which attention the step runs (packed_attention.attend's choice)."""
+    if not step.packed:
+        return "transformers"
+    if not step.batch_invariant:
+        return "flash (rounding depends on the batch)"
+    if step.lm.device.type == "cpu":
+        return exact_kernel.describe()
+    return "exact (padded calls)"
+
+
 def _why_not_compiled(lm: LoadedModel, has_stack: bool, batch_invariant: bool) -> str | None:
     """None when this model's packed step can be compiled, else why not (then it runs eagerly)."""
     if not has_stack:
         return "only decoder.py's forward is compiled (Llama-family models, batched steps)"
     if batch_invariant:
-        return "batch_invariant runs eagerly (its row tiles and per-row attention are not compiled)"
+        return "batch_invariant runs eagerly (the compiled step's products round by the row count)"
     if lm.dense is not None:
         return "another runner already packed this model's linear layers for an eager step"
     return None
@@ -178,12 +195,12 @@ def _decoder_stack(lm: LoadedModel) -> DecoderStack | None:
     return None
 
 
-def _make_rows_invariant(lm: LoadedModel) -> None:
+def _make_rows_invariant(lm: LoadedModel, max_rows: int) -> None:
     """batch_invariant: a row's product must not depend on the rows beside it. The linear layers are
     wrapped once per loaded model (dense.make_rows_invariant: measured per shape, padded tiles where the
     kernel depends on the row count); a failed check is said, not hidden."""
     if lm.rows_invariant is None:
-        lm.rows_invariant = make_rows_invariant(lm.model, lm.dtype, lm.device)
+        lm.rows_invariant = make_rows_invariant(lm.model, lm.dtype, lm.device, max_rows)
         if not lm.rows_invariant:
             log.warning("model %s: batch_invariant: a linear layer still depends on the batch here", lm.name)
 

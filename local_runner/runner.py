@@ -100,6 +100,7 @@ class Runner:
                 batch=config.batch,
                 batch_invariant=config.batch_invariant,
                 compile=config.compile,
+                max_rows=config.max_batch_tokens + config.max_running,
             )
             for name, lm in self.models.items()
         }

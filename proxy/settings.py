@@ -154,18 +154,15 @@ class EmbeddedRunnerSettings(RunnerSettings, tag=DEFAULT_ENGINE):
     """`local_runner` for the embedded engine (`local_runner/`, transformers models in this process)."""
 
     # A job's tokens do not depend on which other jobs share its steps, and reused KV equals a recompute
-    # bit for bit, in every dtype (README, "Batch invariance"): every token attends on its own, prompts
-    # are cut into chunks of their own, and linear layers whose kernels depend on the row count multiply
-    # fixed tiles of rows. Off by default: it costs 36-52% of throughput here (it runs eagerly, never
-    # compiled).
-    batch_invariant: bool = False
-    # Compile the packed step when the runner starts (torch.compile with inductor: the small operations
-    # fused, the weights packed by the compiler); a step then costs 5-15% less here (README, "The
-    # engine: batched steps"). The compile takes ~30-45 s on this 2-core CPU, on a thread of its own
-    # after start (turns run uncompiled meanwhile); its C++ kernels are cached under
-    # cache_dir/compiled. A model the compiler cannot take runs eagerly, said once in the log and in
-    # /healthz. batch_invariant runs eagerly whatever this says.
-    compile: bool = True
+    # bit for bit, in every dtype (docs/engine.md, "Batch invariance"): attention in whole key blocks
+    # (local_runner/exact_attention.py) and linear kernels measured row-invariant at start. On by
+    # default; false gives torch's flash attention, whose rounding depends on the batch (kept to
+    # measure against, and for `compile`).
+    batch_invariant: bool = True
+    # Compile the packed step (torch.compile with inductor) when the runner starts, on a thread of its own
+    # (~30-70 s; turns run uncompiled meanwhile, and round differently from the compiled step). Only
+    # with batch_invariant false: the compiled step's products round by the row count.
+    compile: bool = False
     # KV memory the running jobs' buffers may take (prompt + max_tokens each); a job that would go
     # past it waits in the queue. 0: bounded by max_running only.
     max_running_kv_mb: NonNegativeInt = 0
@@ -259,6 +256,11 @@ def _check_values(s: Settings, base_dir: Path, check_paths: bool) -> None:
         raise SettingsError(f"local_runner.device: {lr.device!r} is not one of auto, cpu, cuda, cuda:N")
     if lr.enabled and not lr.models:
         raise SettingsError("local_runner.models: empty, but local_runner.enabled is true")
+    if isinstance(lr, EmbeddedRunnerSettings) and lr.compile and lr.batch_invariant:
+        raise SettingsError(
+            "local_runner.compile: true needs batch_invariant: false (the compiled step's products round "
+            "by the row count, so answers would depend on the load)"
+        )
     for name, source in lr.models.items():
         if not name or not source:
             raise SettingsError(f"local_runner.models: {name!r} needs a non-empty name and source")

@@ -1,5 +1,6 @@
-"""batch_invariant (issue 17): with the real model, 8 greedy answers served 8 at once equal the same
-requests served one at a time, token for token, in float32 and in bfloat16."""
+"""batch_invariant, the default (issues 17, 29): with the real model, 8 greedy answers served 8 at once
+equal the same requests served one at a time, token for token, in float32 and in bfloat16; KV computed in
+prompt chunks of any size, or a token at a time, is bit for bit the same."""
 
 from __future__ import annotations
 
@@ -69,12 +70,41 @@ async def test_eight_answers_served_together_equal_each_served_alone(models, dty
     assert len(set(alone)) > 1  # real, different answers
 
 
-async def test_in_float32_the_default_engine_answers_as_alone(smollm):
-    """The contract's float32 promise holds without batch_invariant: the batched decode attention and
-    the row-count-dependent products change float32 results only far below what moves a greedy token."""
-    assert smollm.dtype == torch.float32 and smollm.rows_invariant is None  # the default engine's model
-    alone, together = await alone_and_together(smollm, batch_invariant=False)
+async def test_the_default_engine_answers_as_alone(smollm):
+    """The default RunnerConfig is batch-invariant: the session's shared model (float32 here) served 8 at
+    once answers as alone, its linear layers measured row-invariant."""
+    assert RunnerConfig().batch_invariant
+    alone, together = await alone_and_together(smollm, batch_invariant=RunnerConfig().batch_invariant)
+    assert smollm.rows_invariant
     assert together == alone
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompt_prefilled_in_chunks_of_any_size_gives_bit_identical_kv(models, dtype):
+    """A 600-token prompt prefilled in chunks of 64, 256 and 512 tokens, beside a decoding job, gives the
+    same KV bit for bit and the same last logits (the scheduler's chunk size never changes an answer)."""
+    from local_runner.decoder import DecoderStack
+    from local_runner.job_kv import JobKV
+    from local_runner.model_step import ModelStep
+    from local_runner.step import Work, run_packed
+
+    lm = models[dtype]
+    ModelStep.prepare(lm, slots=1, context=64, batch=True, batch_invariant=True).pool.close()
+    stack = DecoderStack(lm.model)
+    ids = (lm.tokenizer(" ".join(QUESTIONS * 12))["input_ids"] * 2)[:600]
+    results = []
+    for chunk in (64, 256, 512):
+        kv, other = JobKV.standalone(lm.layout, lm.device, 640), JobKV.standalone(lm.layout, lm.device, 640)
+        run_packed(lm, [Work(other, ids[: chunk // 2], False)], stack=stack, batch_invariant=True)
+        for first in range(0, len(ids), chunk):
+            part = ids[first : first + chunk]
+            work = [Work(kv, part, first + chunk >= len(ids)), Work(other, [ids[first % 100]], True)]
+            logits = run_packed(lm, work, stack=stack, batch_invariant=True)[0]
+        results.append((logits, [(k[..., :600, :].clone(), v[..., :600, :].clone()) for k, v in kv.layers()]))
+    for logits, layers in results[1:]:
+        assert torch.equal(logits, results[0][0])
+        for (ka, va), (kb, vb) in zip(layers, results[0][1], strict=True):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

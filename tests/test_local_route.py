@@ -190,8 +190,9 @@ def test_healthz_names_each_local_models_device_dtype_and_batching(local_proxy):
         "device": "cpu",
         "dtype": "float32",
         "batched": True,
-        "batch_invariant": False,
-        "compiled": "off",  # the tests' settings turn compile off (tests/test_compiled_step.py has it on)
+        "batch_invariant": True,  # the default: reuse and batching never change an answer
+        "attention": "exact (kernel)",  # built with the machine's C++ compiler (exact_kernel.py)
+        "compiled": "off",  # the default (tests/test_compiled_step.py turns it on)
         "kv_slots": 16,
         "context": 8192,
     }

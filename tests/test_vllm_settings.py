@@ -71,6 +71,7 @@ def settings(tmp_path: Path, **sections: Any) -> Settings:
             "l0_gpu.eviction: vLLM evicts its own KV memory",
         ),
         ({"local_runner": {"engine": "sglang"}}, "local_runner.engine"),
+        ({"local_runner": {"compile": True}}, "local_runner.compile: true needs batch_invariant: false"),
     ],
 )
 def test_a_key_the_engine_would_ignore_stops_start_up_naming_it(tmp_path, sections, refusal):

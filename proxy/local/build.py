@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kvtier import KVStore, StoreConfig
+from local_runner import exact_kernel
 from local_runner.compiled import use_cache_dir
 from local_runner.loader import LoadedModel, load_model
 from local_runner.runner import Runner, RunnerConfig
@@ -105,8 +106,10 @@ def build_local_backend(
 ) -> LocalServing:
     """The stores, the runner (its worker starts here) and the serving layer; `close()` stops them all."""
     lr = runner_settings(settings, EmbeddedRunnerSettings)
+    cache_dir = resolve_path(lr.cache_dir, base_dir or Path.cwd())
+    exact_kernel.use_cache_dir(cache_dir)
     if lr.compile:
-        use_cache_dir(resolve_path(lr.cache_dir, base_dir or Path.cwd()) / "compiled")
+        use_cache_dir(cache_dir / "compiled")
     runner = Runner(models, open_stores(settings, models, base_dir), runner_config(settings))
     return LocalServing.from_settings(
         EmbeddedEngine(runner), settings, index, overflow=overflow, base_dir=base_dir or Path.cwd()
