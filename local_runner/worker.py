@@ -33,8 +33,9 @@ from .step import Work
 log = logging.getLogger("attnstore.runner")
 
 
-class RunnerHooks(Protocol):
-    """What the worker needs from the runner (runner.py implements it)."""
+class EngineHooks(Protocol):
+    """What the worker needs from the engine that owns the models and stores (engine.py implements it).
+    Every hook runs on the worker's thread."""
 
     def warmup(self) -> None: ...
 
@@ -54,14 +55,14 @@ class RunnerHooks(Protocol):
 
 
 class Worker:
-    """The loop's thread, started by `start()` (the runner calls it last in its construction).
+    """The loop's thread, started by `start()` (the engine's, once it is fully built).
 
     Owns `steps` and `outbox`, both written by its thread only, without a lock: the outbox takes emits
     from that thread alone (`Outbox.thread`) and hands them to each loop in one thread-safe call per
-    step; `steps` is read unlocked for stats. The queue and the running jobs are the scheduler's
-    (guarded by `scheduler.cond`)."""
+    step; `steps` is read unlocked for stats. The queue, the running jobs and their counters are the
+    scheduler's (it changes them, under `scheduler.cond`); the worker only calls its methods."""
 
-    def __init__(self, scheduler: Scheduler, hooks: RunnerHooks) -> None:
+    def __init__(self, scheduler: Scheduler, hooks: EngineHooks) -> None:
         self.scheduler = scheduler
         self._hooks = hooks
         self._queue_seen: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
@@ -73,7 +74,7 @@ class Worker:
         self.outbox.thread = self._thread
 
     def start(self) -> None:
-        """Start the worker's thread (the runner does, once it is fully built)."""
+        """Start the worker's thread (the engine does, once it is fully built)."""
         self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
@@ -113,9 +114,7 @@ class Worker:
             if id(job) not in self._prefetched:
                 self._prefetched.add(id(job))
                 self._safe(self._hooks.prefetch, job, what="prefetch")
-        for state in self.scheduler.cancelled_running():
-            state.finish("cancelled")
-            self.scheduler.cancelled += 1
+        self.scheduler.end_cancelled()
 
     def _start(self, job: Job, pool: SlotPool, slot: int) -> JobState | None:
         """A job taken from the queue: refuse it (memory pressure), or look its prefix up and start its
