@@ -5,7 +5,8 @@
                  restore into their slot); tell the stores what the queue looks like and prefetch the
                  look-ahead window; plan the step (scheduler.py)
     run          one forward for the step's work: packed (every job of a model in one forward, decoding
-                 jobs attending in one call per layer) or one forward per job for other architectures
+                 jobs attending in one call per layer) or one forward per job for other architectures;
+                 the logits are kept for postprocess (a forward that fails is retried or ends its jobs)
     postprocess  each job takes its tokens (sample, stream text, stop); jobs that ended go to the save
                  hand-off, a thread of their own that gives their KV to the store, reports `Finished`
                  and frees the slot, so a step never waits on a save or a restore settling
@@ -69,6 +70,9 @@ class Worker:
         self._prefetched: set[int] = set()
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="attnstore-save-handoff")
         self.steps = 0  # forwards run (a packed step counts once)
+        # What this step's forwards fed and the logits they gave, per job: run fills it, postprocess
+        # samples from it (worker's thread only).
+        self._results: list[tuple[JobState, list[int], torch.Tensor | None]] = []
         self.outbox = Outbox()  # the events of a step, handed to the event loop once per step
         self._thread = threading.Thread(target=self._run, name="attnstore-runner", daemon=True)
         self.outbox.thread = self._thread
@@ -235,13 +239,16 @@ class Worker:
 
     def _forward(self, items: list[tuple[JobState, Work]]) -> None:
         logits = self._hooks.run(items)
+        results = [(state, work.tokens, row) for (state, work), row in zip(items, logits, strict=True)]
         self.steps += 1
-        for (state, work), row in zip(items, logits, strict=True):
-            state.advance(work.tokens, row)
+        self._results.extend(results)
 
     # -- postprocess ----------------------------------------------------------------------------------
 
     def _postprocess(self) -> None:
+        results, self._results = self._results, []
+        for state, fed, logits in results:
+            state.advance(fed, logits)  # sample, stream text, stop (never raises: a failure ends the job)
         ended = self.scheduler.ended()
         if ended:  # their last text goes to the loop before the save hand-off can send `Finished`
             self.outbox.flush()
