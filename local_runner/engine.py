@@ -7,9 +7,10 @@ everything that needs the models or the stores through the worker's hooks (`work
 starting a job, the stores' view of the queue, memory pressure and the forward.
 
 Ownership (who writes what; everything else only reads):
-- the engine: `steps`, `pools`, `stores`, `scheduler`, the worker and `counters`, all made in the
-  constructor and never replaced, so any thread may read them;
-- its worker's thread: `_queued_matches` and `_rope`'s use (the hooks run on that thread only).
+- the engine: `steps`, `pools`, `stores`, `scheduler`, the worker, `counters` and `_rope`, all made in
+  the constructor and never replaced, so any thread may read them (each guards what changes inside);
+- the hooks, on the worker's thread only: `_queued_matches`;
+- the scheduler: the queue, the running jobs and their counters (see scheduler.py).
 """
 
 from __future__ import annotations

@@ -131,7 +131,8 @@ class Job:
     Owners: `request` is the caller's (read-only here); `max_tokens`, `submitted_at`, `loop` and `outbox`
     are set once at construction; `_events` is written on `loop` only (`_deliver`); `_cancelled` is a
     thread-safe flag set by `cancel` (the client) or `_unreachable` (its loop closed); `done` is written
-    by `emit`, on the worker's side only."""
+    by `emit` alone, when the last event goes out (from whichever side ends the job: the worker, its save
+    hand-off, or the scheduler refusing it in the queue), and only ever from False to True."""
 
     def __init__(
         self,
