@@ -52,6 +52,14 @@ class Status(enum.Enum):
 
 
 class JobState:
+    """The engine's view of one admitted job (nano-vllm's `Sequence`, with `Job` as its client side).
+
+    Owners: every field here, `status` included, is written by this object's own methods, which run on
+    the worker's thread (steps) or, after the job left `running`, on the save hand-off's thread (`save`),
+    never both at once; the scheduler and the engine only read them. `job` is shared with the client
+    (see `Job`), `pool` and `store` are the engine's, and `shift_stats` is the engine's counter, which
+    locks itself."""
+
     def __init__(
         self,
         job: Job,
@@ -275,7 +283,7 @@ class JobState:
             self._emit_text(delta)
         if self.text.stopped:
             self.finish("stop")
-        elif len(self.generated) >= self.job.request.sampling.max_tokens:
+        elif len(self.generated) >= self.job.max_tokens:
             self.finish("length")
         else:
             self.pending_token = token

@@ -20,6 +20,10 @@ from .params import SamplingParams, TokenLogprob
 
 @dataclass
 class GenerationRequest:
+    """What a caller asks for. Owned by its caller, and read-only once submitted: the serving layer
+    derives variants with `dataclasses.replace` (a compiled grammar, an n > 1 fork), and the engine
+    keeps what it decides about a job on the `Job` (its `max_tokens` cap), never here."""
+
     model: str
     prompt_ids: list[int]
     sampling: SamplingParams
@@ -95,14 +99,15 @@ class EngineError(Exception):
 
 class Outbox:
     """Events the worker thread emits during a step, delivered to their loops in one call per loop at
-    `flush` (the worker flushes after every step). Only the owning thread may add to it."""
+    `flush` (the worker flushes after every step). Only the owning thread may add to it; it writes no
+    field of a job, it calls the job's own `_deliver` and `_unreachable`."""
 
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None  # the only thread whose emits are held here
         self._held: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
 
     def hold(self, job: Job, event: Event) -> None:
-        self._held.setdefault(job._loop, []).append((job, event))
+        self._held.setdefault(job.loop, []).append((job, event))
 
     def flush(self) -> None:
         held, self._held = self._held, {}
@@ -111,29 +116,43 @@ class Outbox:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 for job, _ in items:
-                    job._cancelled.set()
+                    job._unreachable()
 
 
 def _deliver(items: list[tuple[Job, Event]]) -> None:
     for job, event in items:
-        job._events.put_nowait(event)
+        job._deliver(event)
 
 
 class Job:
+    """One submitted request as its client and the engine share it: the event stream between them and
+    the cancel flag. The engine's view of a running job (slot, fed tokens, status) is its `JobState`.
+
+    Owners: `request` is the caller's (read-only here); `max_tokens`, `submitted_at`, `loop` and `outbox`
+    are set once at construction; `_events` is written on `loop` only (`_deliver`); `_cancelled` is a
+    thread-safe flag set by `cancel` (the client) or `_unreachable` (its loop closed); `done` is written
+    by `emit` alone, when the last event goes out (from whichever side ends the job: the worker, its save
+    hand-off, or the scheduler refusing it in the queue), and only ever from False to True."""
+
     def __init__(
         self,
         request: GenerationRequest,
         loop: asyncio.AbstractEventLoop,
+        *,
+        max_tokens: int | None = None,
         on_cancel: Callable[[Job], None] | None = None,
+        outbox: Outbox | None = None,
     ):
         self.request = request
+        # The answer's cap: what the request asks, or less so that prompt + answer fit the context.
+        self.max_tokens = request.sampling.max_tokens if max_tokens is None else max_tokens
         self.submitted_at = time.monotonic()  # queue wait = admission - this
-        self._loop = loop
+        self.loop = loop
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancelled = threading.Event()
         self._on_cancel = on_cancel
         self.done = False
-        self.outbox: Outbox | None = None  # the runner's worker's: its events during a step are held there
+        self.outbox = outbox  # the engine's worker's: its events during a step are held there
 
     def cancel(self) -> None:
         """Called from the event loop when the client goes away: a waiting job leaves the queue at once
@@ -157,9 +176,17 @@ class Job:
             outbox.hold(self, event)
             return
         try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self._deliver, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
-            self._cancelled.set()
+            self._unreachable()
+
+    def _deliver(self, event: Event) -> None:
+        """On `loop`: the event is the client's to read."""
+        self._events.put_nowait(event)
+
+    def _unreachable(self) -> None:
+        """Its loop is closed: nobody is listening any more, so the worker drops it as cancelled."""
+        self._cancelled.set()
 
     async def events(self) -> AsyncIterator[Event]:
         while True:

@@ -120,13 +120,23 @@ class ShiftedKV(LayerSource):
         return k, v
 
 
-@dataclass
 class ShiftStats:
-    """Turns served with position-shifted KV, and the tokens moved (for the store's stats endpoint)."""
+    """Turns served with position-shifted KV, and the tokens moved (for the store's stats endpoint).
 
-    turns: int = 0
-    tokens: int = 0
+    Owned by the engine, counted by its jobs on the worker's thread (`count`), read from any thread
+    (`snapshot`): its own lock guards both fields, so a reader never sees a turn without its tokens."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._turns = 0
+        self._tokens = 0
 
     def count(self, tokens: int) -> None:
-        self.turns += 1
-        self.tokens += tokens
+        with self._lock:
+            self._turns += 1
+            self._tokens += tokens
+
+    def snapshot(self) -> tuple[int, int]:
+        """(turns, tokens), read together."""
+        with self._lock:
+            return self._turns, self._tokens

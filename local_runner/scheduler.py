@@ -13,8 +13,10 @@ the KV slots they hold, and it plans each step:
 - `ended()`: jobs that ended in the last step (they leave `running`); the worker hands them to the
   save hand-off, and `release()` gives their slots back once it is over.
 
-Thread safety: `submit` and `cancel` come from the event loop's threads; everything else runs on the
-worker's thread. One condition variable (`cond`) guards the queue and wakes the worker.
+Thread safety: `submit` and `drop_waiting` come from the event loop's threads, the stats readers
+(`counts`, `queue_depth`, `running_count`) from any thread; everything else runs on the worker's
+thread. One condition variable (`cond`) guards the queue and the counters, and wakes the worker; the
+counters are written by this class only (`end_cancelled` counts the running jobs the worker ends).
 """
 
 from __future__ import annotations
@@ -32,6 +34,17 @@ from .step import Work
 
 # The least a step gives prefill when decoding jobs use up the budget, so a new turn always advances.
 MIN_PREFILL_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SchedulerCounts:
+    """The scheduler's counters, read together under its lock (for the stats endpoint)."""
+
+    queued: int
+    waiting_clients: int
+    admitted: int
+    queue_wait_seconds: float
+    cancelled: int
 
 
 @dataclass(frozen=True)
@@ -57,9 +70,10 @@ class Scheduler:
         self.config = config
         self.pools = dict(pools)
         self._job_bytes = job_bytes
-        # Shared state, all of it owned by this scheduler. `cond` guards the queue, `starting`,
-        # `stopping` and the counters below (event-loop threads submit and cancel; the worker admits);
-        # `running` is changed under `cond` by the worker's thread only, which alone reads it unlocked.
+        # Shared state, all of it owned (written) by this scheduler only. `cond` guards the queue,
+        # `starting`, `stopping` and the counters below (event-loop threads submit and cancel; the worker
+        # admits); `running` is changed under `cond` on the worker's thread only, which alone reads it
+        # unlocked (other threads read it through `running_count`).
         self.cond = threading.Condition()
         self.queue = AdmissionQueue(config.max_queue, config.max_running)  # guarded by `cond`
         self.running: list[JobState] = []
@@ -110,7 +124,29 @@ class Scheduler:
 
     def retry_after_s(self) -> float:
         """What a refused client is told to wait: the mean queue wait so far (at least 1 s)."""
-        return max(1.0, self.queue_wait_seconds / self.admitted) if self.admitted else 1.0
+        with self.cond:  # reentrant: submit() asks while it holds the lock
+            return max(1.0, self.queue_wait_seconds / self.admitted) if self.admitted else 1.0
+
+    # -- any thread (stats) ---------------------------------------------------------------------------
+
+    def queue_depth(self) -> int:
+        with self.cond:
+            return len(self.queue)
+
+    def running_count(self) -> int:
+        """Jobs computing now (not those whose save hand-off is still under way)."""
+        with self.cond:
+            return sum(1 for s in self.running if s.computing)
+
+    def counts(self) -> SchedulerCounts:
+        with self.cond:
+            return SchedulerCounts(
+                queued=len(self.queue),
+                waiting_clients=self.queue.clients(),
+                admitted=self.admitted,
+                queue_wait_seconds=self.queue_wait_seconds,
+                cancelled=self.cancelled,
+            )
 
     # -- worker side ----------------------------------------------------------------------------------
 
@@ -144,9 +180,10 @@ class Scheduler:
                 taken.append((job, pool, slot))
                 reserved += need
             self.starting = len(taken)
-        for job, _, _ in taken:
-            self.admitted += 1
-            self.queue_wait_seconds += time.monotonic() - job.submitted_at
+            now = time.monotonic()
+            for job, _, _ in taken:
+                self.admitted += 1
+                self.queue_wait_seconds += now - job.submitted_at
         return taken
 
     def started(self, state: JobState | None) -> None:
@@ -187,9 +224,12 @@ class Scheduler:
                 budget -= len(tokens)
         return plan
 
-    def cancelled_running(self) -> list[JobState]:
-        """Running jobs whose client went away (they end now)."""
-        return [s for s in self.running if s.computing and s.job.cancelled]
+    def end_cancelled(self) -> None:
+        """Running jobs whose client went away end now (and are counted, under the lock)."""
+        for state in [s for s in self.running if s.computing and s.job.cancelled]:
+            state.finish("cancelled")
+            with self.cond:
+                self.cancelled += 1
 
     def ended(self) -> list[JobState]:
         """Jobs that ended in the last step (their save hand-off is next); they leave `running`."""
@@ -213,4 +253,4 @@ class Scheduler:
             return jobs
 
 
-__all__ = ["OverShare", "QueueFull", "Scheduler", "SchedulerConfig"]
+__all__ = ["OverShare", "QueueFull", "Scheduler", "SchedulerConfig", "SchedulerCounts"]

@@ -5,7 +5,8 @@
                  restore into their slot); tell the stores what the queue looks like and prefetch the
                  look-ahead window; plan the step (scheduler.py)
     run          one forward for the step's work: packed (every job of a model in one forward, decoding
-                 jobs attending in one call per layer) or one forward per job for other architectures
+                 jobs attending in one call per layer) or one forward per job for other architectures;
+                 the logits are kept for postprocess (a forward that fails is retried or ends its jobs)
     postprocess  each job takes its tokens (sample, stream text, stop); jobs that ended go to the save
                  hand-off, a thread of their own that gives their KV to the store, reports `Finished`
                  and frees the slot, so a step never waits on a save or a restore settling
@@ -33,8 +34,9 @@ from .step import Work
 log = logging.getLogger("attnstore.runner")
 
 
-class RunnerHooks(Protocol):
-    """What the worker needs from the runner (runner.py implements it)."""
+class EngineHooks(Protocol):
+    """What the worker needs from the engine that owns the models and stores (engine.py implements it).
+    Every hook runs on the worker's thread."""
 
     def warmup(self) -> None: ...
 
@@ -54,26 +56,29 @@ class RunnerHooks(Protocol):
 
 
 class Worker:
-    """The loop's thread, started by `start()` (the runner calls it last in its construction).
+    """The loop's thread, started by `start()` (the engine's, once it is fully built).
 
     Owns `steps` and `outbox`, both written by its thread only, without a lock: the outbox takes emits
     from that thread alone (`Outbox.thread`) and hands them to each loop in one thread-safe call per
-    step; `steps` is read unlocked for stats. The queue and the running jobs are the scheduler's
-    (guarded by `scheduler.cond`)."""
+    step; `steps` is read unlocked for stats. The queue, the running jobs and their counters are the
+    scheduler's (it changes them, under `scheduler.cond`); the worker only calls its methods."""
 
-    def __init__(self, scheduler: Scheduler, hooks: RunnerHooks) -> None:
+    def __init__(self, scheduler: Scheduler, hooks: EngineHooks) -> None:
         self.scheduler = scheduler
         self._hooks = hooks
         self._queue_seen: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self._prefetched: set[int] = set()
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="attnstore-save-handoff")
         self.steps = 0  # forwards run (a packed step counts once)
+        # What this step's forwards fed and the logits they gave, per job: run fills it, postprocess
+        # samples from it (worker's thread only).
+        self._results: list[tuple[JobState, list[int], torch.Tensor | None]] = []
         self.outbox = Outbox()  # the events of a step, handed to the event loop once per step
         self._thread = threading.Thread(target=self._run, name="attnstore-runner", daemon=True)
         self.outbox.thread = self._thread
 
     def start(self) -> None:
-        """Start the worker's thread (the runner does, once it is fully built)."""
+        """Start the worker's thread (the engine does, once it is fully built)."""
         self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
@@ -113,9 +118,7 @@ class Worker:
             if id(job) not in self._prefetched:
                 self._prefetched.add(id(job))
                 self._safe(self._hooks.prefetch, job, what="prefetch")
-        for state in self.scheduler.cancelled_running():
-            state.finish("cancelled")
-            self.scheduler.cancelled += 1
+        self.scheduler.end_cancelled()
 
     def _start(self, job: Job, pool: SlotPool, slot: int) -> JobState | None:
         """A job taken from the queue: refuse it (memory pressure), or look its prefix up and start its
@@ -236,13 +239,16 @@ class Worker:
 
     def _forward(self, items: list[tuple[JobState, Work]]) -> None:
         logits = self._hooks.run(items)
+        results = [(state, work.tokens, row) for (state, work), row in zip(items, logits, strict=True)]
         self.steps += 1
-        for (state, work), row in zip(items, logits, strict=True):
-            state.advance(work.tokens, row)
+        self._results.extend(results)
 
     # -- postprocess ----------------------------------------------------------------------------------
 
     def _postprocess(self) -> None:
+        results, self._results = self._results, []
+        for state, fed, logits in results:
+            state.advance(fed, logits)  # sample, stream text, stop (never raises: a failure ends the job)
         ended = self.scheduler.ended()
         if ended:  # their last text goes to the loop before the save hand-off can send `Finished`
             self.outbox.flush()

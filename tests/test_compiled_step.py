@@ -13,7 +13,7 @@ from kvtier import KVStore, StoreConfig
 from local_runner.jobs import Finished, GenerationRequest
 from local_runner.loader import load_model
 from local_runner.params import SamplingParams
-from local_runner.runner import Runner
+from local_runner.runner import Runner, RunnerConfig
 from proxy.settings import DEFAULT_MODEL_SOURCE
 from tests.model_fixture import MODEL, REPO
 from tests.support.waiting import wait_until
@@ -44,7 +44,11 @@ def compiled(tmp_path_factory):
         lm.layout,
         lm.fingerprint,
     )
-    runner = Runner({MODEL: lm}, {MODEL: store}, max_running=4, max_queue=8, compile=True, batch_invariant=False)
+    runner = Runner(
+        {MODEL: lm},
+        {MODEL: store},
+        RunnerConfig(max_running=4, max_queue=8, compile=True, batch_invariant=False),
+    )
     wait_until(lambda: not runner.steps[MODEL].compiling, "the compile", 600, interval=0.5)
     yield runner
     runner.close()
@@ -99,7 +103,9 @@ async def test_compiled_second_turn_from_stored_kv_equals_a_recompute(compiled):
 )
 async def test_a_step_that_cannot_compile_runs_eagerly_saying_why(options, reason):
     lm = tiny_loaded("tiny", model=tiny_llama(seed=3))
-    runner = Runner({"tiny": lm}, compile=True, **{"batch_invariant": False, **options})
+    runner = Runner(
+        {"tiny": lm}, config=RunnerConfig(**{"compile": True, "batch_invariant": False, **options})
+    )
     try:
         status = str(runner.steps["tiny"].describe()["compiled"])
         assert status.startswith("eager (") and reason in status
@@ -115,7 +121,7 @@ async def test_a_step_that_cannot_compile_runs_eagerly_saying_why(options, reaso
 async def test_a_model_packed_by_an_eager_runner_is_not_compiled_by_a_later_one():
     lm = tiny_loaded("tiny", model=tiny_llama(seed=3))
     Runner({"tiny": lm}).close()  # packs the linear layers for its eager step
-    runner = Runner({"tiny": lm}, compile=True, batch_invariant=False)
+    runner = Runner({"tiny": lm}, config=RunnerConfig(compile=True, batch_invariant=False))
     try:
         status = str(runner.steps["tiny"].describe()["compiled"])
         assert "already packed" in status
@@ -127,7 +133,7 @@ async def test_jobs_are_served_eagerly_while_the_step_compiles():
     """A runner answers at once after start: its first jobs run on the eager step while the compile
     runs on its own thread, and the step switches to the compiled one when that is ready."""
     lm = tiny_loaded("tiny", model=tiny_llama(seed=6))
-    runner = Runner({"tiny": lm}, compile=True, batch_invariant=False)
+    runner = Runner({"tiny": lm}, config=RunnerConfig(compile=True, batch_invariant=False))
     try:
         step = runner.steps["tiny"]
         job = runner.submit(

@@ -71,7 +71,7 @@ async def test_memory_pressure_sheds_stored_kv_or_refuses(tmp_path):
         store = open_store(lm, tmp_path / str(evict))
         calm = Runner({"tiny": lm}, {"tiny": store})
         await drain(submit(calm, "tiny", ids, 8))  # stored in L0 and on disk
-        calm._worker.close()
+        calm.engine.stop()  # its stores stay open for the next runner
         store.flush()
         before = store.stats()
         # An impossible amount of memory to keep free: the machine is "short" for every job.
