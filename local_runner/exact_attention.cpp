@@ -89,10 +89,49 @@ inline v8f sum8x8(const v8f* x) {
   return __builtin_shuffle(quad[0], quad[1], low) + __builtin_shuffle(quad[0], quad[1], high);
 }
 
-// scores[j] = dot(query, k_j) * scale for j < length: eight keys at a time (independent sums), the rest
-// one by one; either way each dot is the same lane-wise sum and the same tree.
+// Consecutive tokens of one slot are computed together (a prompt chunk's), so each key and value read
+// serves every query row of the tile; a row's arithmetic is the same in a tile of any size.
+constexpr int64_t kTileTokens = 4;
+
+// scores[r][j] = dot(query_r, k_j) * scale for the tile's rows, j < length (the tile's longest row):
+// eight keys at a time (independent sums, one transposed tree), the rest one by one; either way each
+// dot is the same lane-wise sum in sum8's tree.
 template <typename T, int C>
-void score_keys(const v8f* query, const T* keys, int64_t length, int64_t dim, float scale, float* scores) {
+void score_keys(const v8f* query, int64_t rows, const T* keys, int64_t length, float scale, float* scores,
+                int64_t stride) {
+  constexpr int64_t dim = C * kLanes;
+  v8f key[kLanes][C];
+  int64_t j = 0;
+  for (; j + kLanes <= length; j += kLanes) {
+    for (int64_t r = 0; r < kLanes; ++r)
+      for (int c = 0; c < C; ++c) key[r][c] = load8(keys + (j + r) * dim + c * kLanes);
+    for (int64_t row = 0; row < rows; ++row) {
+      const v8f* q = query + row * C;
+      v8f lane[kLanes];
+      for (int64_t r = 0; r < kLanes; ++r) {
+        lane[r] = q[0] * key[r][0];
+        for (int c = 1; c < C; ++c) lane[r] += q[c] * key[r][c];
+      }
+      const v8f s = sum8x8(lane) * splat(scale);
+      std::memcpy(scores + row * stride + j, &s, sizeof(s));
+    }
+  }
+  for (; j < length; ++j) {
+    for (int c = 0; c < C; ++c) key[0][c] = load8(keys + j * dim + c * kLanes);
+    for (int64_t row = 0; row < rows; ++row) {
+      const v8f* q = query + row * C;
+      v8f lane = q[0] * key[0][0];
+      for (int c = 1; c < C; ++c) lane += q[c] * key[0][c];
+      scores[row * stride + j] = sum8(lane) * scale;
+    }
+  }
+}
+
+// score_keys for one row, its keys read straight from memory (a decoding token: nothing to share them
+// with); the same sums as score_keys.
+template <typename T, int C>
+void score_keys_one(const v8f* query, const T* keys, int64_t length, float scale, float* scores) {
+  constexpr int64_t dim = C * kLanes;
   int64_t j = 0;
   for (; j + kLanes <= length; j += kLanes) {
     v8f lane[kLanes];
@@ -112,55 +151,116 @@ void score_keys(const v8f* query, const T* keys, int64_t length, int64_t dim, fl
   }
 }
 
-// out[0:dim] = sum_j weights[j] * v_j (j in order), the sums held in registers.
+// weigh_values for one row, all its sums in registers; the same sums as weigh_values.
 template <typename T, int C>
-void weigh_values(const float* weights, const T* values, int64_t length, int64_t dim, v8f* out) {
+void weigh_values_one(const float* weights, const T* values, int64_t length, v8f* out) {
+  constexpr int64_t dim = C * kLanes;
   v8f acc[C];
   for (int c = 0; c < C; ++c) acc[c] = splat(0.0f);
   for (int64_t j = 0; j < length; ++j) {
     const v8f w = splat(weights[j]);
-    const T* value = values + j * dim;
-    for (int c = 0; c < C; ++c) acc[c] += w * load8(value + c * kLanes);
+    for (int c = 0; c < C; ++c) acc[c] += w * load8(values + j * dim + c * kLanes);
   }
   for (int c = 0; c < C; ++c) out[c] = acc[c];
+}
+
+// out_r = sum_j weights_r[j] * v_j (j in order) for the tile's rows, j < length; a row's weights past
+// its own keys are 0, and adding 0 * v leaves its sums as they are. Four rows' sums in registers.
+template <typename T, int C>
+void weigh_values(const float* weights, int64_t rows, int64_t stride, const T* values, int64_t length,
+                  v8f* out) {
+  constexpr int64_t dim = C * kLanes;
+  constexpr int kPart = C < 2 ? C : 2;  // head_dim chunks per pass: 4 rows x 2 chunks in registers
+  for (int64_t first = 0; first < rows; first += 4) {
+    const int64_t n = rows - first < 4 ? rows - first : 4;
+    for (int c0 = 0; c0 < C; c0 += kPart) {
+      v8f acc[4][kPart];
+      for (int64_t r = 0; r < 4; ++r)
+        for (int c = 0; c < kPart; ++c) acc[r][c] = splat(0.0f);
+      for (int64_t j = 0; j < length; ++j) {
+        v8f value[kPart];
+        for (int c = 0; c < kPart; ++c) value[c] = load8(values + j * dim + (c0 + c) * kLanes);
+        for (int64_t r = 0; r < n; ++r) {
+          const v8f w = splat(weights[(first + r) * stride + j]);
+          for (int c = 0; c < kPart; ++c) acc[r][c] += w * value[c];
+        }
+      }
+      for (int64_t r = 0; r < n; ++r)
+        for (int c = 0; c < kPart; ++c) out[(first + r) * C + c0 + c] = acc[r][c];
+    }
+  }
 }
 
 template <typename T, int C>
 void attend_rows(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lengths, T* out,
                  int64_t tokens, int64_t heads, int64_t kv_heads, int64_t capacity, float scale) {
-  const int64_t dim = C * kLanes;
+  constexpr int64_t dim = C * kLanes;
   const int64_t group = heads / kv_heads;
-  at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<v8f> query(C), acc(C);
+  // tiles: runs of up to kTileTokens consecutive tokens of one slot
+  std::vector<int64_t> tiles;
+  for (int64_t t = 0; t < tokens;) {
+    int64_t n = 1;
+    while (n < kTileTokens && t + n < tokens && slots[t + n] == slots[t]) ++n;
+    tiles.push_back(t);
+    t += n;
+  }
+  tiles.push_back(tokens);
+  const int64_t count = static_cast<int64_t>(tiles.size()) - 1;
+  at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<v8f> query, acc;
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      // K/V head-major: neighbouring items (a prompt chunk's tokens) read the same keys, still cached
-      const int64_t kvh = item / tokens, t = item % tokens;
-      const int64_t length = lengths[t];
-      const int64_t padded = (length + kLanes - 1) / kLanes * kLanes;
-      const T* keys = k + (slots[t] * kv_heads + kvh) * capacity * dim;
-      const T* values = v + (slots[t] * kv_heads + kvh) * capacity * dim;
-      scores.assign(padded, -std::numeric_limits<float>::infinity());
-      for (int64_t h = 0; h < group; ++h) {
-        const int64_t head = kvh * group + h;
-        for (int c = 0; c < C; ++c) query[c] = load8(q + (t * heads + head) * dim + c * kLanes);
-        score_keys<T, C>(query.data(), keys, length, dim, scale, scores.data());
-        float top = scores[0];
-        for (int64_t j = 1; j < length; ++j) top = scores[j] > top ? scores[j] : top;
+      // K/V head-major: neighbouring items (a prompt chunk's tiles) read the same keys, still cached
+      const int64_t kvh = item / count, tile = item % count;
+      const int64_t t0 = tiles[tile], n = tiles[tile + 1] - t0, rows = n * group;
+      int64_t longest = 0;
+      for (int64_t i = 0; i < n; ++i) longest = lengths[t0 + i] > longest ? lengths[t0 + i] : longest;
+      const int64_t stride = (longest + kLanes - 1) / kLanes * kLanes;
+      const T* keys = k + (slots[t0] * kv_heads + kvh) * capacity * dim;
+      const T* values = v + (slots[t0] * kv_heads + kvh) * capacity * dim;
+      query.resize(rows * C);
+      acc.resize(rows * C);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t h = 0; h < group; ++h)
+          for (int c = 0; c < C; ++c)
+            query[(i * group + h) * C + c] = load8(q + ((t0 + i) * heads + kvh * group + h) * dim + c * kLanes);
+      scores.assign(rows * stride, -std::numeric_limits<float>::infinity());
+      if (n == 1) {  // a decoding token: its query heads one by one, keys straight from memory
+        for (int64_t h = 0; h < group; ++h)
+          score_keys_one<T, C>(query.data() + h * C, keys, longest, scale, scores.data() + h * stride);
+      } else {
+        score_keys<T, C>(query.data(), rows, keys, longest, scale, scores.data(), stride);
+      }
+      std::vector<float> total(rows);
+      for (int64_t row = 0; row < rows; ++row) {
+        const int64_t length = lengths[t0 + row / group];
+        const int64_t padded = (length + kLanes - 1) / kLanes * kLanes;
+        float* line = scores.data() + row * stride;
+        std::fill(line + length, line + stride, -std::numeric_limits<float>::infinity());
+        float top = line[0];
+        for (int64_t j = 1; j < length; ++j) top = line[j] > top ? line[j] : top;
         v8f sums = splat(0.0f);
         for (int64_t j = 0; j < padded; j += kLanes) {
-          const v8f e = exp8(load8(scores.data() + j) - splat(top));
-          std::memcpy(scores.data() + j, &e, sizeof(e));
+          const v8f e = exp8(load8(line + j) - splat(top));
+          std::memcpy(line + j, &e, sizeof(e));
           sums += e;
         }
-        weigh_values<T, C>(scores.data(), values, length, dim, acc.data());
-        const v8f inv = splat(1.0f / sum8(sums));
-        T* dst = out + (t * heads + head) * dim;
+        for (int64_t j = padded; j < stride; ++j) line[j] = 0.0f;
+        total[row] = sum8(sums);
+      }
+      if (n == 1) {
+        for (int64_t h = 0; h < group; ++h)
+          weigh_values_one<T, C>(scores.data() + h * stride, values, longest, acc.data() + h * C);
+      } else {
+        weigh_values<T, C>(scores.data(), rows, stride, values, longest, acc.data());
+      }
+      for (int64_t row = 0; row < rows; ++row) {
+        const v8f inv = splat(1.0f / total[row]);
+        T* dst = out + ((t0 + row / group) * heads + kvh * group + row % group) * dim;
         for (int c = 0; c < C; ++c) {
-          const v8f o = acc[c] * inv;
+          const v8f o = acc[row * C + c] * inv;
           for (int64_t l = 0; l < kLanes; ++l) dst[c * kLanes + l] = static_cast<T>(o[l]);
         }
-        std::fill(scores.begin() + length, scores.end(), -std::numeric_limits<float>::infinity());
       }
     }
   });
