@@ -20,6 +20,7 @@ import os
 import platform
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,9 @@ def build(cache_dir: Path) -> str | None:
 
             folder = cache_dir / "kernels" / machine_key()
             folder.mkdir(parents=True, exist_ok=True)
+            started = time.perf_counter()
+            if not any(folder.glob("*.so")):
+                log.info("building the exact attention kernel in %s (once per machine, ~1 min)", folder)
             # cpp_extension runs `ninja` from PATH: the one installed beside this Python comes first
             os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
             _module = cpp_extension.load_inline(
@@ -85,6 +89,7 @@ def build(cache_dir: Path) -> str | None:
                 build_directory=str(folder),
                 verbose=False,
             )
+            log.info("exact attention kernel ready in %.1f s", time.perf_counter() - started)
         except Exception as exc:  # no compiler, no ninja, a failed build: the padded calls serve
             _failure = (str(exc).strip().split("\n")[0][:200]) or type(exc).__name__
             log.warning("exact attention kernel not built (%s): exact_attention.py's calls serve", _failure)
