@@ -1,13 +1,13 @@
 """The packed step alone, two variants in one process: milliseconds per decode step for N decoding jobs
-at a fixed context, the prefill of a long prompt, and each variant's start-up time.
+at fixed contexts, the prefill of a long prompt, and each variant's start-up time.
 
-    python -m bench.step_time [--jobs 1 4 8 16] [--context 100] [--reps 30] [--dtype auto]
+    python -m bench.step_time [--jobs 1 4 8 16] [--context 100 1000] [--reps 30] [--dtype auto]
                               [--variants exact compiled] [--prefill 2000]
 
 Variants: `exact` (the default engine: batch_invariant, eager), `compiled` (batch_invariant false,
 torch.compile: the rounding-dependent path), `eager` (batch_invariant false, eager). Each times
 `ModelStep.forward` (the step the runner calls, attention and KV writes included; no scheduling,
-sampling or HTTP) on the thread that warmed it up, interleaved per job count. Run it alone.
+sampling or HTTP) on the thread that warmed it up, the variants alternating step by step. Run it alone.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def prepare(args: argparse.Namespace, variant: str) -> ModelStep:
     step = ModelStep.prepare(
         lm,
         slots=max(args.jobs),
-        context=max(args.context + args.reps + 16, args.prefill + 16),
+        context=max(max(args.context) + args.reps + 16, args.prefill + 16),
         batch=True,
         batch_invariant=invariant,
         compile=compile,
@@ -65,28 +65,34 @@ def prefill_s(step: ModelStep, tokens: int, chunk: int = 512) -> float:
         step.pool.release(slot)
 
 
-def step_ms(step: ModelStep, jobs: int, context: int, reps: int) -> float:
-    """Median ms of a step of `jobs` decoding jobs, each with `context` tokens of KV."""
-    kvs = [JobKV(step.pool, slot) for slot in (step.pool.acquire() for _ in range(jobs)) if slot is not None]
-    for kv in kvs:
-        kv.length = context
-    times = []
+def step_ms(steps: dict[str, ModelStep], jobs: int, context: int, reps: int) -> dict[str, float]:
+    """Median ms of a step of `jobs` decoding jobs, each with `context` tokens of KV, per variant; the
+    variants alternate step by step (the first one alternating too), so drifts of the machine hit both."""
+    kvs = {}
+    for name, step in steps.items():
+        slots = [step.pool.acquire() for _ in range(jobs)]
+        kvs[name] = [JobKV(step.pool, slot) for slot in slots if slot is not None]
+        for kv in kvs[name]:
+            kv.length = context
+    times: dict[str, list[float]] = {name: [] for name in steps}
     try:
-        for _ in range(reps + 3):
-            work = [Work(kv, [42], want_logits=True) for kv in kvs]
-            started = time.perf_counter()
-            step.forward(work)
-            times.append(time.perf_counter() - started)
+        for rep in range(reps + 3):
+            for name in sorted(steps, reverse=rep % 2 == 1):
+                work = [Work(kv, [42], want_logits=True) for kv in kvs[name]]
+                started = time.perf_counter()
+                steps[name].forward(work)
+                times[name].append(time.perf_counter() - started)
     finally:
-        for kv in kvs:
-            step.pool.release(kv.slot)
-    return statistics.median(times[3:]) * 1000
+        for name, step in steps.items():
+            for kv in kvs[name]:
+                step.pool.release(kv.slot)
+    return {name: statistics.median(t[3:]) * 1000 for name, t in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, nargs="+", default=[1, 4, 8, 16])
-    parser.add_argument("--context", type=int, default=100)
+    parser.add_argument("--context", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--prefill", type=int, default=2000, help="a prompt's tokens to time (0: none)")
     parser.add_argument("--dtype", default="auto")
@@ -96,11 +102,12 @@ def main() -> None:
     use_cache_dir(args.cache_dir / "compiled")
     a, b = args.variants
     steps = {v: prepare(args, v) for v in (a, b)}
-    print(f"\n{steps[a].lm.dtype}, {args.context}-token contexts, medians of {args.reps}")
-    print(f"| decoding jobs | {a} ms | {b} ms | {a} / {b} |\n|---|---|---|---|")
-    for jobs in args.jobs:
-        x, y = (step_ms(steps[v], jobs, args.context, args.reps) for v in (a, b))
-        print(f"| {jobs} | {x:.1f} | {y:.1f} | {x / y:.2f} |", flush=True)
+    for context in args.context:
+        print(f"\n{steps[a].lm.dtype}, {context}-token contexts, medians of {args.reps}, interleaved")
+        print(f"| decoding jobs | {a} ms | {b} ms | {a} / {b} |\n|---|---|---|---|")
+        for jobs in args.jobs:
+            ms = step_ms(steps, jobs, context, args.reps)
+            print(f"| {jobs} | {ms[a]:.1f} | {ms[b]:.1f} | {ms[a] / ms[b]:.2f} |", flush=True)
     if args.prefill:
         times: dict[str, list[float]] = {a: [], b: []}
         for _ in range(3):

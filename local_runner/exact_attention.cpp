@@ -291,12 +291,16 @@ at::Tensor exact_attend(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::
           sc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), tokens, heads, kv_heads,
           capacity, static_cast<float>(scale));
     };
-    switch (dim) {  // the head sizes of today's models; others are refused (the padded calls serve)
+    switch (dim) {  // the head sizes of today's models (exact_kernel.HEAD_DIMS); others are refused
+      case 16: run(std::integral_constant<int, 2>{}); break;
       case 32: run(std::integral_constant<int, 4>{}); break;
+      case 48: run(std::integral_constant<int, 6>{}); break;
       case 64: run(std::integral_constant<int, 8>{}); break;
+      case 80: run(std::integral_constant<int, 10>{}); break;
+      case 96: run(std::integral_constant<int, 12>{}); break;
       case 128: run(std::integral_constant<int, 16>{}); break;
       case 256: run(std::integral_constant<int, 32>{}); break;
-      default: TORCH_CHECK(false, "exact_attend: head_dim ", dim, " is not 32, 64, 128 or 256");
+      default: TORCH_CHECK(false, "exact_attend: head_dim ", dim, " is not one the kernel was built for");
     }
   };
   switch (qc.scalar_type()) {

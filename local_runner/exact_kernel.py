@@ -96,14 +96,21 @@ def build(cache_dir: Path) -> str | None:
         return _failure
 
 
-def ready() -> bool:
-    return _module is not None
+# The head sizes exact_attention.cpp is instantiated for (a model with another runs the padded calls).
+HEAD_DIMS = frozenset({16, 32, 48, 64, 80, 96, 128, 256})
 
 
-def describe() -> str:
-    """The exact step's attention, for /healthz."""
-    if _module is not None:
+def ready(head_dim: int) -> bool:
+    """Whether the kernel serves a model of this head size."""
+    return _module is not None and head_dim in HEAD_DIMS
+
+
+def describe(head_dim: int) -> str:
+    """The exact step's attention for a model of this head size, for /healthz."""
+    if ready(head_dim):
         return "exact (kernel)"
+    if _module is not None:
+        return f"exact (padded calls: the kernel has no head size {head_dim})"
     return f"exact (padded calls: {_failure or 'kernel not built'})"
 
 

@@ -140,7 +140,7 @@ def _attention_kind(step: ModelStep) -> str:
     if not step.batch_invariant:
         return "flash (rounding depends on the batch)"
     if step.lm.device.type == "cpu":
-        return exact_kernel.describe()
+        return exact_kernel.describe(step.lm.layout.head_dim)
     return "exact (padded calls)"
 
 

@@ -207,7 +207,7 @@ def attend(
     head_dim], key and value [tokens, kv_heads, head_dim] in (views are fine), [tokens, heads, head_dim]
     out. Writes the new tokens' K/V into their jobs' slots first."""
     groups = plan.groups(query.device, query.dtype)
-    if plan.batch_invariant and query.device.type == "cpu" and exact_kernel.ready():
+    if plan.batch_invariant and query.device.type == "cpu" and exact_kernel.ready(query.shape[-1]):
         return _exact_kernel_step(groups, layer, query, key, value, scaling)
     if len(groups) == 1 and _decode_only(groups[0], query.shape[0]):
         # no scatter into `out`
