@@ -92,29 +92,23 @@ def pack_linears(model: nn.Module) -> int:
 
 
 class FixedRowsLinear(nn.Module):
-    """A linear layer that multiplies at most `rows` rows per call. With `pad`, every call has exactly
-    `rows` rows (the last tile padded with zeros), so a row's result is computed by the same kernel
-    whatever the number of rows beside it: batch invariance for kernels whose result depends on the row
-    count (costs up to rows - 1 padded rows). Without `pad`, long inputs (a prompt's chunk) are cut to
-    row counts that were measured to be independent."""
+    """A linear layer that multiplies exactly `rows` rows per call (the last tile padded with zeros), so a
+    row's result is computed by the same kernel whatever the number of rows beside it: batch invariance
+    for kernels whose result depends on the row count (costs up to rows - 1 padded rows)."""
 
-    def __init__(self, inner: nn.Module, in_features: int, rows: int, pad: bool) -> None:
+    def __init__(self, inner: nn.Module, in_features: int, rows: int) -> None:
         super().__init__()
         self.inner = inner
         self.in_features = in_features
         self.rows = rows
-        self.pad = pad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         n = flat.shape[0]
-        if not self.pad and n <= self.rows:
-            out = self.inner(flat)
-        else:
-            missing = (-n) % self.rows if self.pad else 0
-            if missing:
-                flat = torch.cat((flat, flat.new_zeros(missing, self.in_features)))
-            out = torch.cat([self.inner(tile) for tile in flat.split(self.rows)])[:n]
+        missing = (-n) % self.rows
+        if missing:
+            flat = torch.cat((flat, flat.new_zeros(missing, self.in_features)))
+        out = torch.cat([self.inner(tile) for tile in flat.split(self.rows)])[:n]
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -194,7 +188,7 @@ def make_rows_invariant(
     for parent, name, child, in_features in found:
         shape = (in_features, int(getattr(child, "out_features", 0)))
         if not by_shape[shape]:
-            wrapped = FixedRowsLinear(child, in_features, tile, pad=True)
+            wrapped = FixedRowsLinear(child, in_features, tile)
             setattr(parent, name, wrapped)
             padded.setdefault(shape, wrapped)
     log.info(

@@ -128,3 +128,51 @@ def test_with_batch_invariant_stored_kv_equals_a_recompute_bit_for_bit(models, d
     assert torch.equal(whole, last)
     for (ka, va), (kb, vb) in zip(recompute.layers(), turn.layers(), strict=True):
         assert torch.equal(ka[..., :40, :], kb[..., :40, :]) and torch.equal(va[..., :40, :], vb[..., :40, :])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_every_turn_from_stored_kv_equals_a_recompute_through_the_tiers(models, dtype, tmp_path):
+    """Three conversations of 3, 8 and 3 turns taken in turn at the default settings, with an L0 and an
+    L1 of one chunk each, so a conversation's history comes back from L0, L1 or L2 (the others' turns
+    push it down): every later turn's greedy answer from stored KV equals a recompute of the same prompt
+    (reuse off), in float32 and bfloat16."""
+    from kvtier import KVStore, StoreConfig
+
+    lm = models[dtype]
+    chunk = 256 * lm.layout.bytes_per_token
+    store = KVStore(
+        StoreConfig(
+            l0_capacity_bytes=chunk, l1_capacity_bytes=chunk, l2_capacity_bytes=1 << 30, l2_path=tmp_path
+        ),
+        lm.layout,
+        lm.fingerprint,
+    )
+    runner = Runner({MODEL: lm}, {MODEL: store}, RunnerConfig(max_running=4, max_queue=8))
+    assert runner.steps[MODEL].batch_invariant  # the default
+
+    def submit(ids: list[int], **kw):
+        sampling = SamplingParams(max_tokens=TOKENS, temperature=0)
+        return runner.submit(GenerationRequest(MODEL, ids, sampling, **kw))
+
+    turns = {"short": 3, "long": 8, "other": 3}
+    histories: dict[str, list[dict[str, str]]] = {name: [] for name in turns}
+    tiers: set[str] = set()
+    try:
+        for turn in range(max(turns.values())):
+            for session, count in turns.items():
+                if turn >= count:
+                    continue
+                history = histories[session]
+                history.append({"role": "user", "content": QUESTIONS[(turn + len(session)) % len(QUESTIONS)]})
+                ids = runner.render(MODEL, history)
+                reused = await drain(submit(ids, session=session))
+                if turn:
+                    assert reused.first.reused_tokens > 0, (session, turn)
+                    tiers.add(str(reused.first.tier))
+                    recomputed = await drain(submit(ids, reuse=False))
+                    assert reused.text == recomputed.text, (dtype, session, turn)
+                history.append({"role": "assistant", "content": reused.text})
+                await asyncio.sleep(0.2)  # the turn's KV is saved in the background
+    finally:
+        runner.close()
+    assert {"l1", "l2"} <= tiers, tiers  # the small fast tiers sent histories down the hierarchy

@@ -126,3 +126,23 @@ def test_the_kernel_is_attention(kernel):
         enable_gqa=True,
     )[0].transpose(0, 1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+class RowCountDependent(torch.nn.Linear):
+    """A linear layer whose kernel rounds by the row count (as MKL's float32 products do from 2 rows on):
+    each row's result carries a trace of how many rows shared its call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (1 + 1e-6 * (x.reshape(-1, 16).shape[0] % 16))
+
+
+def test_a_linear_layer_that_rounds_by_the_row_count_is_measured_and_tiled():
+    from local_runner.dense import FixedRowsLinear, make_rows_invariant, rows_are_independent
+
+    model = torch.nn.Sequential(RowCountDependent(16, 8, bias=False))
+    assert not rows_are_independent(model[0], 16, torch.float32, 40, torch.device("cpu"))
+    assert make_rows_invariant(model, torch.float32, torch.device("cpu"), max_rows=40)
+    assert isinstance(model[0], FixedRowsLinear)  # padded tiles: each call has 16 rows
+    x = torch.randn(37, 16)
+    with torch.inference_mode():
+        assert torch.equal(model(x)[5:6], model(x[5:6]))
