@@ -144,16 +144,6 @@ SUBJECTS = [
     "a sailor",
     "a teacher",
     "a chef",
-    "an astronaut",
-    "a gardener",
-    "a nurse",
-    "a musician",
-    "a librarian",
-    "a plumber",
-    "a dancer",
-    "a judge",
-    "a fisherman",
-    "a student",
 ]
 
 
@@ -255,8 +245,8 @@ def tool_result(turn: int) -> str:
     return "\n".join(rows)
 
 
-def test_a_twenty_turn_agent_loop_reuses_its_whole_history_every_turn(server):
-    check_agent_loop(client(server), turns=20, chunk=16)
+def test_a_ten_turn_agent_loop_reuses_its_whole_history_every_turn(server):
+    check_agent_loop(client(server), turns=10, chunk=16)
 
 
 def check_agent_loop(c: openai.OpenAI, *, turns: int, chunk: int) -> None:
