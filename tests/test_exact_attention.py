@@ -65,22 +65,27 @@ def test_decoding_beside_jobs_of_other_lengths_equals_alone(dtype):
             assert torch.equal(batched[r], alone(q[r], k, v, r, length)), (lengths, r)
 
 
+def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int, past: int) -> torch.Tensor:
+    """torch's own attention of a prompt chunk q after `past` stored tokens of `slot` (the reference)."""
+    n = q.shape[0]
+    mask = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k[slot : slot + 1, :, : past + n],
+        v[slot : slot + 1, :, : past + n],
+        attn_mask=mask,
+        scale=SCALE,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+
+
 def test_exact_attention_is_attention():
     """The exact calls compute what torch's attention computes (to float32 rounding)."""
     k, v = pool(torch.float32)
     q = queries(40, torch.float32)
     past = 90
     got = prefill_rows(q, k[2], v[2], past, SCALE)
-    mask = torch.ones(40, past + 40, dtype=torch.bool).tril(past)
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k[2:3, :, : past + 40],
-        v[2:3, :, : past + 40],
-        attn_mask=mask,
-        scale=SCALE,
-        enable_gqa=True,
-    )[0].transpose(0, 1)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, torch_attention(q, k, v, 2, past), rtol=1e-5, atol=1e-5)
     assert padded_keys(1) == 64 and padded_keys(64) == 64 and padded_keys(65) == 128
 
 
@@ -116,16 +121,7 @@ def test_the_kernel_is_attention(kernel):
     q = queries(40, torch.float32)
     past = 90
     got = kernel.attend(q, k, v, torch.full((40,), 2), torch.arange(past + 1, past + 41), SCALE)
-    mask = torch.ones(40, past + 40, dtype=torch.bool).tril(past)
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k[2:3, :, : past + 40],
-        v[2:3, :, : past + 40],
-        attn_mask=mask,
-        scale=SCALE,
-        enable_gqa=True,
-    )[0].transpose(0, 1)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, torch_attention(q, k, v, 2, past), rtol=1e-5, atol=1e-5)
 
 
 class RowCountDependent(torch.nn.Linear):
