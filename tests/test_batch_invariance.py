@@ -132,7 +132,7 @@ def test_with_batch_invariant_stored_kv_equals_a_recompute_bit_for_bit(models, d
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 async def test_every_turn_from_stored_kv_equals_a_recompute_through_the_tiers(models, dtype, tmp_path):
-    """Three conversations of 3, 8 and 3 turns taken in turn at the default settings, with an L0 and an
+    """Three conversations of 3, 8 and 8 turns taken in turn at the default settings, with an L0 and an
     L1 of one chunk each, so a conversation's history comes back from L0, L1 or L2 (the others' turns
     push it down): every later turn's greedy answer from stored KV equals a recompute of the same prompt
     (reuse off), in float32 and bfloat16."""
@@ -154,7 +154,7 @@ async def test_every_turn_from_stored_kv_equals_a_recompute_through_the_tiers(mo
         sampling = SamplingParams(max_tokens=TOKENS, temperature=0)
         return runner.submit(GenerationRequest(MODEL, ids, sampling, **kw))
 
-    turns = {"short": 3, "long": 8, "other": 3}
+    turns = {"short": 3, "long": 8, "other": 8}
     histories: dict[str, list[dict[str, str]]] = {name: [] for name in turns}
     tiers: set[str] = set()
     try:

@@ -155,6 +155,7 @@ def test_a_model_without_llamas_layer_is_said_unfit_for_the_decoder_stack():
 def test_job_kv_writes_into_its_own_slot_only_and_crops():
     lm = tiny_loaded()
     pool = SlotPool(lm.layout, lm.device, 3, 8)
+    assert pool.capacity == 64  # whole key blocks: exact attention reads a row's keys in blocks of 64
     kv = JobKV(pool, pool.acquire())
     neighbour = JobKV(pool, pool.acquire())
     assert (kv.slot, neighbour.slot) == (0, 1)
@@ -167,7 +168,7 @@ def test_job_kv_writes_into_its_own_slot_only_and_crops():
     assert keys.shape[-2] == 8 and torch.equal(keys[:, :, :3], k) and torch.all(values[:, :, 3:] == 8.0)
     assert all(torch.all(t == 0) for t in neighbour.layer(0))  # the slot next door is untouched
     with pytest.raises(ValueError, match="past its slot"):
-        kv.write(1, torch.zeros(1, 2, 6, d), torch.zeros(1, 2, 6, d))  # 3 + 6 > 8
+        kv.write(1, torch.zeros(1, 2, 62, d), torch.zeros(1, 2, 62, d))  # 3 + 62 > 64
     kv.crop(2)
     assert kv.length == 2 and all(kk.shape[-2] == 2 for kk, _ in kv.layers())
     pool.release(kv.slot)
