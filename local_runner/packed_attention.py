@@ -12,10 +12,11 @@ lives in its slot of the model's KV pool (kv_slots.py). Per layer, a step does:
   for a long one's keys (see `_split_outliers`);
 - one call per job whose prompt is being prefilled (a chunk of many queries: causal within the chunk).
 
-`batch_invariant` (the default): the same calls, made by exact_attention.py, whose every row is computed
-the same way whatever shares the call (keys in whole blocks, products of a fixed minimum row count), so
-a job's result cannot depend on which other jobs share the step, and KV computed in a prompt chunk equals
-KV computed a token at a time (reuse exact in every dtype). Without it, torch's flash attention, whose
+`batch_invariant` (the default): every row computed the same way whatever shares the call, so a job's
+result cannot depend on which other jobs share the step, and KV computed in a prompt chunk equals KV
+computed a token at a time (reuse exact in every dtype): on the CPU ONE call of exact_kernel for every
+token of the step; where that kernel is not built, the calls below made by exact_attention.py (keys in
+whole blocks, products of a fixed minimum row count). Without it, torch's flash attention, whose
 rounding depends on the call's shape. See docs/engine.md, "Batch invariance".
 
 How it plugs into transformers without model-specific code: the model runs with an attention function
