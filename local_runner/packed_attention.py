@@ -97,6 +97,7 @@ class _PoolGroup:
     rows: torch.Tensor | None  # packed rows of these segments' tokens (None: all rows, in order)
     slots: torch.Tensor  # each such token's slot
     positions: torch.Tensor  # each such token's position in its slot
+    lengths: torch.Tensor  # each such token's keys, itself included (positions + 1: the exact kernel's)
     decode: _Decode | None  # one-token segments attending together
     decode_alone: list[Segment]  # one-token segments attending on their own
     prefill: list[Segment]
@@ -192,6 +193,7 @@ def _group(segments: list[Segment], device: torch.device, dtype: torch.dtype) ->
                 else torch.tensor(rows, dtype=torch.long, device=device),
                 slots=torch.tensor(slots, dtype=torch.long, device=device),
                 positions=torch.tensor(positions, dtype=torch.long, device=device),
+                lengths=torch.tensor(positions, dtype=torch.long, device=device) + 1,
                 decode=_decode_layout(together, device, dtype) if together else None,
                 decode_alone=alone,
                 prefill=[s for s in segs if s.n > 1],
@@ -229,15 +231,14 @@ def _exact_kernel_step(
 ) -> torch.Tensor:
     """`attend` by exact_kernel: one call per pool for every token of the step, decoding or prefilling,
     each attending to its own slot's keys up to its own position."""
-    if len(groups) == 1 and groups[0].rows is None:
-        g = groups[0]
-        k_pool, v_pool = _write_kv(g, layer, key, value)
-        return exact_kernel.attend(query, k_pool, v_pool, g.slots, g.positions + 1, scaling)
-    out = query.new_empty(query.shape)
+    out: torch.Tensor | None = None
     for g in groups:
         k_pool, v_pool = _write_kv(g, layer, key, value)
-        rows = slice(None) if g.rows is None else g.rows
-        out[rows] = exact_kernel.attend(query[rows], k_pool, v_pool, g.slots, g.positions + 1, scaling)
+        if g.rows is None:  # every token of the step is this pool's: the call's output is the result
+            return exact_kernel.attend(query, k_pool, v_pool, g.slots, g.lengths, scaling)
+        out = query.new_empty(query.shape) if out is None else out
+        out[g.rows] = exact_kernel.attend(query[g.rows], k_pool, v_pool, g.slots, g.lengths, scaling)
+    assert out is not None
     return out
 
 
