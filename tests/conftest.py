@@ -10,7 +10,7 @@
 - `proxy`: the proxy with default test settings in front of `fake_upstream`.
 - `redis_server`: a throw-away redis-server on a free loopback port (skipped when the binary is absent).
 
-Every test that uses the real model (the `smollm` fixture, directly or through another fixture) is marked
+Every test that uses the real model (the `smollm` or `load_smollm` fixture, directly or through another fixture) is marked
 `model`, so `pytest -m "not model"` (make test-fast) runs exactly the model-free tests.
 """
 
@@ -25,7 +25,7 @@ import pytest
 
 from proxy.http.app import build_app, build_full_app
 from proxy.settings import Settings, parse_settings
-from tests.model_fixture import MODEL, smollm  # noqa: F401 - the real model, once per session
+from tests.model_fixture import MODEL, load_smollm, smollm  # noqa: F401 - the real model, once per session
 from tests.servers import AppServer
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.redis_server import REDIS_SERVER, RedisServer
@@ -34,7 +34,7 @@ from tests.support.redis_server import REDIS_SERVER, RedisServer
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
-        if "smollm" in fixtures:
+        if "smollm" in fixtures or "load_smollm" in fixtures:
             item.add_marker(pytest.mark.model)
         if "redis_server" in fixtures:
             item.add_marker(pytest.mark.redis)

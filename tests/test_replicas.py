@@ -15,7 +15,7 @@ import redis
 import urllib3
 
 from proxy.http.app import build_full_app
-from tests.model_fixture import MODEL, REPO
+from tests.model_fixture import DEFAULT_DTYPE, MODEL, REPO
 from tests.support.processes import UNREACHABLE, ReplicaProcess
 from tests.support.threaded_server import free_port
 from tests.support.waiting import wait_until
@@ -59,10 +59,11 @@ def forwarding_replicas(tmp_path, redis_server):
 
 
 @pytest.fixture
-def recompute(start_app, make_settings, smollm) -> str:
-    """The same model with reuse off: what every turn must answer."""
+def recompute(start_app, make_settings, load_smollm) -> str:
+    """The same model with reuse off, in the dtype the replicas run at their default (`auto`: bfloat16
+    on a CPU with native bfloat16 arithmetic): what every turn must answer."""
     settings = make_settings(attention_store={"enabled": False}, local_runner={"enabled": True})
-    return start_app(build_full_app(settings, models={MODEL: smollm})).url
+    return start_app(build_full_app(settings, models={MODEL: load_smollm(DEFAULT_DTYPE)})).url
 
 
 def chat(url: str, messages, session: str = "conv-1") -> tuple[str, dict]:
