@@ -8,7 +8,8 @@ heads, dim] cache, and an arbitrary permutation of a block. Each must be discove
 round-trip through the map into other blocks leaving exactly the bytes the kernel itself leaves, in
 float32, bfloat16 and float16. Kernels that scale, drop or scramble what they are given, or fail, must
 be refused by name. With a vLLM CPU Python at hand, the real CPU_ATTN kernels of every ISA (vec, vec16,
-amx: their reshape runs on any x86 CPU) are mapped too.
+amx) are mapped too, as vLLM runs them on this CPU and on one without AVX-512 (where its AVX2 build has
+no AMX kernel: refused, in the kernel's words).
 """
 
 from __future__ import annotations
@@ -275,7 +276,11 @@ VLLM_PYTHON = os.path.abspath(
 REAL_KERNELS = textwrap.dedent(
     """
     import json, sys, torch
+    if sys.argv[1:] == ["avx2"]:  # vLLM as it picks its kernels on a CPU without AVX-512 or AMX
+        torch.cpu._is_avx512_supported = lambda: False
+        torch.cpu._is_amx_tile_supported = lambda: False
     from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     from vllm_engine.link.discover import find_page_map, LayoutError
     from vllm_engine.link.pages import PagedLayer, PageGeometry
 
@@ -286,34 +291,50 @@ REAL_KERNELS = textwrap.dedent(
             ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
         return write
 
-    out = {}
-    for isa in ("vec", "vec16", "amx"):
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            for heads, block, dim in ((3, 128, 64), (2, 32, 128)):
+    out, picked = {}, {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for heads, block, dim in ((3, 128, 64), (2, 32, 128)):
+            shape = f"{dtype} {heads}x{block}x{dim}"
+            picked[shape] = _get_attn_isa(dtype, block, dim)
+            for isa in ("vec", "vec16", "amx"):
                 cache = torch.zeros(20, heads, block, 2 * dim, dtype=dtype)
-                what = f"{isa} {dtype} {heads}x{block}x{dim}"
+                what = f"{isa} {shape}"
                 try:
                     m = find_page_map(writer(isa), cache, PageGeometry(heads, dim, block), what)
                     out[what] = PagedLayer(cache, m).path + " " + m.source
                 except LayoutError as exc:
                     out[what] = "refused: " + str(exc)
-    print(json.dumps(out))
+    print(json.dumps({"found": out, "picked": picked}))
     """
 )
 
 
-def test_the_real_cpu_kernels_of_every_isa_are_mapped_in_every_dtype():
+@pytest.mark.parametrize("cpu", ["this CPU", "avx2"])
+def test_the_real_cpu_kernels_of_every_isa_are_mapped_or_refused_by_name_in_every_dtype(cpu: str):
+    """Every ISA's kernel in every dtype: mapped onto the fast path, or (an ISA this CPU or this vLLM build
+    cannot run: AMX under vLLM's AVX2 build) refused with the kernel's own words, never mapped wrong. The
+    ISA vLLM itself picks for each dtype and shape is always mapped. `avx2`: vLLM as it runs on a CPU
+    without AVX-512 or AMX (its kernel choice simulated), so both kinds of CPU are covered on either."""
     if not os.access(VLLM_PYTHON, os.X_OK):
         pytest.skip(f"no vLLM Python at {VLLM_PYTHON} (make vllm, or set ATTNSTORE_TEST_VLLM_PYTHON)")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run(
-        [VLLM_PYTHON, "-c", REAL_KERNELS], capture_output=True, text=True, env=env, timeout=300, cwd=REPO
-    )
+    argv = [VLLM_PYTHON, "-c", REAL_KERNELS, *(["avx2"] if cpu == "avx2" else [])]
+    run = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(found) == 18 and not [w for w, p in found.items() if p.startswith("refused")], found
-    assert all("indexed" not in p for p in found.values()), found  # every real layout takes the fast path
-    # AMX packs bfloat16 and float16 differently from float32 and from the vector ISAs.
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    found, picked = result["found"], result["picked"]
+    assert len(found) == 18 and len(picked) == 6, result
+    refused = {w: p for w, p in found.items() if p.startswith("refused")}
+    # A refusal is the kernel failing on the scratch cache (and saying why), never a layout mapped wrong.
+    assert all("the kernel failed on a scratch cache" in p for p in refused.values()), refused
+    assert not [w for w in refused if not w.startswith("amx ")], refused  # the vector ISAs run anywhere
+    for shape, isa in picked.items():  # what vLLM would run here is mapped
+        assert not found[f"{isa} {shape}"].startswith("refused"), (shape, isa, found)
+    mapped = {w: p for w, p in found.items() if w not in refused}
+    assert all("indexed" not in p for p in mapped.values()), found  # every real layout takes the fast path
     amx16 = found["amx torch.bfloat16 3x128x64"]
-    assert amx16 != found["vec torch.bfloat16 3x128x64"] and amx16.startswith("strided x2/"), found
-    print(sys.version, found)
+    if "amx torch.bfloat16 3x128x64" not in refused:  # AMX packs bfloat16 pairs, unlike float32 and the vector ISAs
+        assert amx16 != found["vec torch.bfloat16 3x128x64"] and amx16.startswith("strided x2/"), found
+    if cpu == "avx2":
+        assert "amx" not in picked.values(), picked
+    print(sys.version, result)
