@@ -7,7 +7,8 @@ DELETE forgets; two replicas with a Redis index share the L2 folder.
 
 They need a Python with vLLM 0.32 (`make vllm` builds .venv-vllm; ATTNSTORE_TEST_VLLM_PYTHON names
 another) and skip, saying so, without one. vLLM takes about a minute to start here (-O0: no
-compilation), so each test starts only the servers it needs.
+compilation), so each test starts only the servers it needs, and the default dtype's checks share two
+starts.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import urllib3
 from transformers import AutoTokenizer
 
 from local_runner.loader import ModelLoadError
-from local_runner.prompt import render_prompt
+from local_runner.prompt import PromptFormat, render_prompt
 from tests import test_agents as agents
-from tests.model_fixture import MODEL, REPO
+from tests.model_fixture import DEFAULT_DTYPE, MODEL, REPO
 from tests.support.processes import ReplicaProcess
 from tests.support.waiting import wait_until
 from vllm_engine.server import check_vllm_python
@@ -145,11 +146,12 @@ def chat(
     return answer["choices"][0]["message"]["content"], dict(resp.headers), answer["usage"]
 
 
-def recompute(server: ReplicaProcess, messages: list[dict[str, str]]) -> str:
-    """The same prompt on the same vLLM with the store not consulted: every token computed."""
+def recompute(server: ReplicaProcess, messages: list[dict[str, str]], template: str | None = None) -> str:
+    """The same prompt (rendered by the server's chat template) on the same vLLM with the store not
+    consulted: every token computed."""
     health = orjson.loads(urllib3.request("GET", server.url + "/healthz", timeout=10).data)
     folder = next(p for p in (REPO / "var" / "models").iterdir() if p.name.startswith(MODEL) and p.is_dir())
-    ids = render_prompt(AutoTokenizer.from_pretrained(folder), messages)
+    ids = render_prompt(AutoTokenizer.from_pretrained(folder), messages, PromptFormat(template=template))
     body = {
         "model": MODEL,
         "prompt": ids,
@@ -206,12 +208,9 @@ def assert_hit(headers: dict[str, str], usage: dict[str, Any], cache: str | None
     return reused
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_later_turns_are_hits_whose_answers_equal_a_recompute_and_delete_forgets(
-    servers, vllm_python, tmp_path, dtype
-):
-    (server,) = servers.start(settings(vllm_python, tmp_path / "kv", dtype=dtype))
-    assert _served_dtype(server) == dtype
+def check_later_turns_hit_and_delete_forgets(server: ReplicaProcess, template: str | None = None) -> None:
+    """Three turns: the first a miss served locally, each later one an l1_hit answering as vLLM
+    recomputes it; DELETE forgets the conversation (its next turn a miss with the same answer)."""
     turns = converse(server.url, "conv-1", 3)
     first_headers = turns[0][2]
     assert (
@@ -220,7 +219,7 @@ def test_later_turns_are_hits_whose_answers_equal_a_recompute_and_delete_forgets
     )
     for messages, answer, headers, usage in turns[1:]:
         assert_hit(headers, usage, "l1_hit")
-        assert answer == recompute(server, messages)
+        assert answer == recompute(server, messages, template)
     gone = orjson.loads(
         urllib3.request("DELETE", server.url + "/v1/attention_store/sessions/conv-1", timeout=30).data
     )
@@ -231,15 +230,40 @@ def test_later_turns_are_hits_whose_answers_equal_a_recompute_and_delete_forgets
     assert headers["X-AttentionStore-Cache"] == "miss" and answer == turns[2][1]
 
 
+def test_later_turns_are_hits_whose_answers_equal_a_recompute_in_the_other_dtype(
+    servers, vllm_python, tmp_path
+):
+    """The dtype `auto` does not pick on this CPU (float32 where it picks bfloat16, and the reverse): the
+    CPU kernel lays KV out differently in each, and the default dtype is the next test's."""
+    dtype = "float32" if DEFAULT_DTYPE == "bfloat16" else "bfloat16"
+    (server,) = servers.start(settings(vllm_python, tmp_path / "kv", dtype=dtype))
+    assert _served_dtype(server) == dtype
+    check_later_turns_hit_and_delete_forgets(server)
+
+
 def _served_dtype(server: ReplicaProcess) -> str:
     health = orjson.loads(urllib3.request("GET", server.url + "/healthz", timeout=10).data)
     return str(health["local"][MODEL]["dtype"])
 
 
-def test_a_restart_keeps_the_hits_from_l2_and_a_corrupt_file_is_a_miss(servers, vllm_python, tmp_path):
-    """At the default settings (dtype auto): the layout the machine's CPU kernel uses by default."""
+def test_at_the_default_dtype_hits_survive_a_restart_a_corrupt_file_is_a_miss_and_agents_run(
+    servers, vllm_python, tmp_path
+):
+    """At the default settings (dtype auto: the layout the CPU kernel uses by default), with the tools
+    template of tests/test_agents.py: later turns hit and equal a recompute, DELETE forgets; a restart of
+    attnstore and vLLM keeps the hits (from L2) and a corrupt L2 file is a miss; then issue 27's agent
+    checks (written once above the engines) on the restarted server: a named and a required tool call
+    (vLLM decodes under the serving layer's grammar), JSON Schema answers that validate, top_logprobs,
+    n answers, an agent loop that reuses its history each turn. One test, so vLLM starts twice, not four
+    times (a start takes about half a minute here)."""
     l2 = tmp_path / "kv"
-    (first,) = servers.start(settings(vllm_python, l2))
+    config = settings(vllm_python, l2)
+    config["local_runner"]["chat_templates"] = {MODEL: str(agents.TEMPLATE)}
+    config["attention_store"]["position_encoding"]["max_context_tokens"] = 4096  # the agent loop's results
+    template = agents.TEMPLATE.read_text()
+    (first,) = servers.start(config)
+    assert _served_dtype(first) == DEFAULT_DTYPE
+    check_later_turns_hit_and_delete_forgets(first, template)
     kept = converse(first.url, "kept", 2)
     wait_until(lambda: saves_done(first.url), "the first conversation on disk", timeout=60)
     before = {p for p in l2.rglob("*.safetensors")}
@@ -250,7 +274,7 @@ def test_a_restart_keeps_the_hits_from_l2_and_a_corrupt_file_is_a_miss(servers, 
         data = bytearray(path.read_bytes())
         data[-10] ^= 0x01
         path.write_bytes(bytes(data))
-    (again,) = servers.start(settings(vllm_python, l2))
+    (again,) = servers.start(config)
     history = [
         m
         for messages, answer, _, _ in kept[-1:]
@@ -258,15 +282,24 @@ def test_a_restart_keeps_the_hits_from_l2_and_a_corrupt_file_is_a_miss(servers, 
     ]
     messages, answer, headers, usage = converse(again.url, "kept", 1, history)[0]
     assert_hit(headers, usage, "l2_hit")
-    assert answer == recompute(again, messages)
+    assert answer == recompute(again, messages, template)
     history = [*broken[0][0], {"role": "assistant", "content": broken[0][1]}]
     messages, answer, headers, _ = converse(again.url, "broken", 1, history, OTHER_QUESTIONS)[0]
     # Its own chunks are all bad: at most the system prompt it shares with the other conversation is
     # reused, never the history its files held.
     assert int(headers["X-AttentionStore-Reused-Tokens"]) < broken[0][3]["prompt_tokens"]
-    assert answer == recompute(again, messages)
+    assert answer == recompute(again, messages, template)
     stats = orjson.loads(urllib3.request("GET", again.url + "/v1/attention_store/stats", timeout=30).data)
     assert stats["quarantined"] >= 1
+
+    c = openai.OpenAI(base_url=again.url + "/v1", api_key="agent", max_retries=0, timeout=300)
+    agents.check_named_tool_choice(c, stream=False)
+    agents.check_named_tool_choice(c, stream=True)
+    agents.check_required(c)
+    agents.check_json_schema(c, stream=True, subjects=agents.SUBJECTS[4:])
+    agents.check_top_logprobs(c)
+    agents.check_n_answers(c, again.url, stream=True, forks=False)
+    agents.check_agent_loop(c, turns=8, chunk=128)
 
 
 @pytest.mark.redis
@@ -284,21 +317,3 @@ def test_two_replicas_share_l2_through_redis(servers, vllm_python, tmp_path, red
     assert_hit(headers, usage, "l2_hit")
     assert headers["X-AttentionStore-Replica"] == "b"
     assert answer == recompute(b, messages)
-
-
-def test_agents_on_vllm_tools_structured_outputs_logprobs_and_reuse(servers, vllm_python, tmp_path):
-    """Issue 27 on the vLLM engine: the same checks as tests/test_agents.py, written once above the
-    engines: a named and a required tool call (vLLM decodes under the serving layer's grammar), JSON
-    Schema answers that validate, top_logprobs, and an agent loop that reuses its history each turn."""
-    config = settings(vllm_python, tmp_path / "kv")
-    config["local_runner"]["chat_templates"] = {MODEL: str(agents.TEMPLATE)}
-    config["attention_store"]["position_encoding"]["max_context_tokens"] = 4096  # 8 tool results
-    (server,) = servers.start(config)
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="agent", max_retries=0, timeout=300)
-    agents.check_named_tool_choice(c, stream=False)
-    agents.check_named_tool_choice(c, stream=True)
-    agents.check_required(c)
-    agents.check_json_schema(c, stream=True)
-    agents.check_top_logprobs(c)
-    agents.check_n_answers(c, server.url, stream=True, forks=False)
-    agents.check_agent_loop(c, turns=8, chunk=128)

@@ -333,7 +333,9 @@ def test_the_real_cpu_kernels_of_every_isa_are_mapped_or_refused_by_name_in_ever
     mapped = {w: p for w, p in found.items() if w not in refused}
     assert all("indexed" not in p for p in mapped.values()), found  # every real layout takes the fast path
     amx16 = found["amx torch.bfloat16 3x128x64"]
-    if "amx torch.bfloat16 3x128x64" not in refused:  # AMX packs bfloat16 pairs, unlike float32 and the vector ISAs
+    if (
+        "amx torch.bfloat16 3x128x64" not in refused
+    ):  # AMX packs bfloat16 pairs, unlike float32 and the vector ISAs
         assert amx16 != found["vec torch.bfloat16 3x128x64"] and amx16.startswith("strided x2/"), found
     if cpu == "avx2":
         assert "amx" not in picked.values(), picked

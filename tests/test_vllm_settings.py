@@ -141,8 +141,8 @@ def test_without_the_store_vllm_runs_without_the_connector(tmp_path):
 def test_dtype_auto_is_float32_only_on_a_cpu_without_bfloat16_arithmetic(monkeypatch):
     monkeypatch.setattr(Path, "exists", lambda self: False)  # no /dev/nvidia0
     assert vllm_dtype("auto", "auto", frozenset({"avx2"})) == "float32"
-    assert vllm_dtype("auto", "auto", frozenset({"avx512_bf16"})) == "auto"
-    assert vllm_dtype("auto", "cuda:1", frozenset()) == "auto"
+    assert vllm_dtype("auto", "auto", frozenset({"avx512_bf16"})) == "bfloat16"
+    assert vllm_dtype("auto", "cuda:1", frozenset()) == "bfloat16"
     assert vllm_dtype("bfloat16", "auto", frozenset()) == "bfloat16"
 
 

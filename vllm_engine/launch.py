@@ -3,7 +3,8 @@
 What each field of `VllmConfig` becomes (proxy/local_vllm/config.py fills it from settings.json):
 
     models              --model <HF folder> --served-model-name <name> (a GGUF is converted once, start.py)
-    dtype               --dtype (auto: float32 on a CPU without native bfloat16, else vLLM's own)
+    dtype               --dtype (auto: as the embedded engine's, bfloat16 on CUDA and on a CPU with
+                        native bfloat16, else float32)
     device              cuda:N -> CUDA_VISIBLE_DEVICES=N (auto: whatever the vLLM install runs on)
     max_running         --max-num-seqs
     max_batch_tokens    --max-num-batched-tokens
@@ -60,12 +61,13 @@ class Launch:
 
 
 def vllm_dtype(dtype: str, device: str, cpu_flags: frozenset[str]) -> str:
-    """`auto` keeps vLLM's choice except on a CPU-only machine without native bfloat16 arithmetic, where
-    vLLM's choice (the checkpoint's bfloat16) runs several times slower than float32 (FACTS.md)."""
+    """The dtype vLLM is told, never `auto`, so that the health report and the store's fingerprint name what
+    runs. `auto` means what it means for the embedded engine: bfloat16 on CUDA and on a CPU with native
+    bfloat16 arithmetic, float32 on other CPUs, where bfloat16 runs several times slower (FACTS.md)."""
     if dtype != "auto":
         return dtype
     cuda = device.startswith("cuda") or Path("/dev/nvidia0").exists()
-    return "auto" if cuda or (BF16_CPU_FLAGS & cpu_flags) else "float32"
+    return "bfloat16" if cuda or (BF16_CPU_FLAGS & cpu_flags) else "float32"
 
 
 def model_context(folder: Path) -> int | None:
