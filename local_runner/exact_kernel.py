@@ -1,5 +1,5 @@
 """The row-invariant CPU attention kernel (exact_attention.cpp): built once per machine with the system's C++
-compiler (torch's cpp_extension, ~30-60 s on 2 cores), kept under the runner's cache folder, loaded in
+compiler (torch's cpp_extension, ~20-30 s on 2 cores), kept under the runner's cache folder, loaded in
 milliseconds at later starts.
 
 Why a kernel of our own: a row's rounding must depend on its own query and keys only. torch's attention
@@ -30,7 +30,7 @@ log = logging.getLogger("attnstore.runner")
 
 _SOURCE = Path(__file__).with_name("exact_attention.cpp")
 _lock = threading.Lock()
-_module: Any = None
+_kernel: Any = None
 _failure: str | None = None
 # Where the built kernel is kept: the runner's cache folder (settings: local_runner.cache_dir), set by
 # whoever builds the runner; relative to the working directory until then.
@@ -65,9 +65,9 @@ def machine_key() -> str:
 def build(cache_dir: Path) -> str | None:
     """Build (or load the built) kernel under `cache_dir`; None when it is ready, else why not.
     Idempotent and thread-safe: the first caller builds, the others wait for it."""
-    global _module, _failure
+    global _kernel, _failure
     with _lock:
-        if _module is not None or _failure is not None:
+        if _kernel is not None or _failure is not None:
             return _failure
         try:
             from torch.utils import cpp_extension
@@ -76,19 +76,22 @@ def build(cache_dir: Path) -> str | None:
             folder.mkdir(parents=True, exist_ok=True)
             started = time.perf_counter()
             if not any(folder.glob("*.so")):
-                log.info("building the exact attention kernel in %s (once per machine, ~1 min)", folder)
+                log.info("building the exact attention kernel in %s (once per machine, ~30 s)", folder)
             # cpp_extension runs `ninja` from PATH: the one installed beside this Python comes first
             os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-            _module = cpp_extension.load_inline(
+            # A plain shared library registering torch.ops.attnstore.exact_attend (no Python module: the
+            # pybind11 bindings' headers would double the build); cpp_extension loads it.
+            cpp_extension.load(
                 name="attnstore_exact_attention",
-                cpp_sources=[_SOURCE.read_text()],
-                functions=["exact_attend"],
+                sources=[str(_SOURCE)],
                 # -fopenmp: at::parallel_for's OpenMP region is in a header, compiled here
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),
+                is_python_module=False,
                 verbose=False,
             )
+            _kernel = torch.ops.attnstore.exact_attend.default
             log.info("exact attention kernel ready in %.1f s", time.perf_counter() - started)
         except Exception as exc:  # no compiler, no ninja, a failed build: the padded calls serve
             _failure = (str(exc).strip().split("\n")[0][:200]) or type(exc).__name__
@@ -102,14 +105,14 @@ HEAD_DIMS = frozenset({16, 32, 48, 64, 80, 96, 128, 256})
 
 def ready(head_dim: int) -> bool:
     """Whether the kernel serves a model of this head size."""
-    return _module is not None and head_dim in HEAD_DIMS
+    return _kernel is not None and head_dim in HEAD_DIMS
 
 
 def describe(head_dim: int) -> str:
     """The exact step's attention for a model of this head size, for /healthz."""
     if ready(head_dim):
         return "exact (kernel)"
-    if _module is not None:
+    if _kernel is not None:
         return f"exact (padded calls: the kernel has no head size {head_dim})"
     return f"exact (padded calls: {_failure or 'kernel not built'})"
 
@@ -124,4 +127,4 @@ def attend(
 ) -> torch.Tensor:
     """q [tokens, heads, dim]; k_pool, v_pool [slots, kv_heads, capacity, dim] (one layer of a pool);
     token t attends to the first lengths[t] keys of slot slots[t]; [tokens, heads, dim] out."""
-    return _module.exact_attend(q, k_pool, v_pool, slots, lengths, scale)
+    return _kernel(q, k_pool, v_pool, slots, lengths, scale)
