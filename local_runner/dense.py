@@ -9,8 +9,9 @@ reordered for oneDNN's blocked kernels takes 25.5 / 30.0 / 38.9 / 43.8 ms for 1 
 Packing is per linear module (any architecture): float32 always, bfloat16 where the CPU has AVX-512 BF16
 or AVX-NE-CONVERT (elsewhere the module stays as it is). Not on CUDA. Whether a kernel computes each row
 the same way whatever the number of rows beside it depends on the shape (a 1536 -> 576 product here
-does not): `batch_invariant` measures every shape at start (`make_rows_invariant`) and pads the ones
-that depend on it to fixed tiles of rows.
+does not): `batch_invariant` measures every shape at start (`make_rows_invariant`); a shape whose rows
+agree from some small row count on (two: the one-row kernel is the odd one out) gets at least that many
+rows per call, any other that depends on it fixed tiles of rows.
 """
 
 from __future__ import annotations
@@ -56,22 +57,36 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> str | None:
     return None
 
 
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows appended up to `rows` rows (x itself when it has that many)."""
+    missing = rows - x.shape[0]
+    return x if missing <= 0 else torch.cat((x, x.new_zeros(missing, x.shape[1])))
+
+
 def rows_are_independent(
-    linear: nn.Module, in_features: int, dtype: torch.dtype, max_rows: int, device: torch.device
+    linear: nn.Module,
+    in_features: int,
+    dtype: torch.dtype,
+    max_rows: int,
+    device: torch.device,
+    min_rows: int = 1,
 ) -> bool:
-    """Is every row's result bit for bit the one it gets alone, whatever the number of rows beside it (1 to
-    max_rows)? A property of the kernels torch picks for this shape on this machine, so it is measured
-    (on sampled rows and row counts: every count that changes a kernel's blocking here, and the largest):
-    MKL's float32 products differ from 2 rows on, oneDNN's packed ones did not on AVX2 (2026-12-02), and
-    a 1536 -> 576 bfloat16 product differed from row 2 on with AVX-512 BF16 (2026-12-01)."""
+    """Is every row's result bit for bit the one it gets in a call of `min_rows` rows (alone, for 1),
+    whatever the number of rows beside it (min_rows to max_rows)? A property of the kernels torch picks
+    for this shape on this machine, so it is measured (on sampled rows and row counts: every count up to
+    40, those around each power of two, and the largest): MKL's float32 products differ from 2 rows on,
+    oneDNN's packed ones did not on AVX2 (2026-12-02), and a 1536 -> 576 bfloat16 product on AVX-512 BF16
+    rounded one row alone (a kernel of its own) differently from the same row among 2 to 512, which all
+    agreed (2026-12-03): there `min_rows=2` holds."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(max_rows, in_features, generator=g).to(dtype=dtype, device=device)
     sampled = sorted(
         {*range(min(17, max_rows)), 31, 32, 63, 64, 127, 128, 255, 256, max_rows - 1} & set(range(max_rows))
     )
-    sizes = sorted({2, 3, 4, 5, 7, 8, 13, 16, 17, 33, 64, 128, 256, max_rows} & set(range(2, max_rows + 1)))
+    powers = {p + d for p in (64, 128, 256, 512, 1024) for d in (-1, 0, 1)}
+    sizes = sorted({*range(2, 41), *powers, max_rows} & set(range(max(2, min_rows + 1), max_rows + 1)))
     with torch.inference_mode():
-        alone = {r: linear(x[r : r + 1]) for r in sampled}
+        alone = {r: linear(_padded(x[r : r + 1], min_rows))[:1] for r in sampled}
         for n in sizes:
             out = linear(x[:n])
             if not all(torch.equal(out[r : r + 1], alone[r]) for r in sampled if r < n):
@@ -91,10 +106,9 @@ def pack_linears(model: nn.Module) -> int:
     return count
 
 
-class FixedRowsLinear(nn.Module):
-    """A linear layer that multiplies exactly `rows` rows per call (the last tile padded with zeros), so a
-    row's result is computed by the same kernel whatever the number of rows beside it: batch invariance
-    for kernels whose result depends on the row count (costs up to rows - 1 padded rows)."""
+class RowsPaddedLinear(nn.Module):
+    """A linear layer whose calls are given padded rows (zeros) so that each row's result comes from a
+    kernel that rounds it the same way whatever rows share the step; subclasses say how many rows."""
 
     def __init__(self, inner: nn.Module, in_features: int, rows: int) -> None:
         super().__init__()
@@ -104,12 +118,29 @@ class FixedRowsLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        n = flat.shape[0]
-        missing = (-n) % self.rows
-        if missing:
-            flat = torch.cat((flat, flat.new_zeros(missing, self.in_features)))
-        out = torch.cat([self.inner(tile) for tile in flat.split(self.rows)])[:n]
+        out = self.multiply(flat)[: flat.shape[0]]
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def multiply(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class FixedRowsLinear(RowsPaddedLinear):
+    """Exactly `rows` rows per call (the last tile padded): batch invariance for kernels whose result
+    depends on the row count (costs up to rows - 1 padded rows)."""
+
+    def multiply(self, flat: torch.Tensor) -> torch.Tensor:
+        n = flat.shape[0]
+        return torch.cat([self.inner(tile) for tile in _padded(flat, n + (-n) % self.rows).split(self.rows)])
+
+
+class MinRowsLinear(RowsPaddedLinear):
+    """At least `rows` rows per call: batch invariance for kernels that round a call of few rows (one,
+    typically: a matrix-vector kernel of its own) differently from every larger one. Costs a padded row
+    or so at decoding; a prompt chunk is one call, as unwrapped."""
+
+    def multiply(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.inner(_padded(flat, self.rows))
 
 
 class ProjectionSlice(nn.Module):
@@ -171,32 +202,55 @@ def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, int]]:
     return found
 
 
+# Row counts tried, smallest first, as the least a call may have (MinRowsLinear) before falling back to
+# fixed tiles: the one-row kernel is the usual odd one out.
+MIN_ROWS_TRIED = (2, 4, 8, 16)
+
+
 def make_rows_invariant(
     model: nn.Module, dtype: torch.dtype, device: torch.device, max_rows: int, tile: int = 16
 ) -> bool:
     """Make every linear layer of `model` compute each row independently of the rows beside it, for steps
-    of up to `max_rows` rows: layers whose kernels were measured independent stay as they are; the others
-    multiply padded tiles of `tile` rows. Idempotent. Returns whether every layer was measured
-    independent afterwards (False: the model answers, but batch invariance is not assured)."""
-    found = [f for f in linears(model) if not isinstance(f[0], FixedRowsLinear)]
-    by_shape: dict[tuple[int, int], bool] = {}
+    of up to `max_rows` rows: layers whose kernels were measured independent stay as they are; those
+    whose rows agree from some small row count on get calls of at least that many rows (MinRowsLinear,
+    the cheapest); the others multiply padded tiles of `tile` rows. Idempotent. Returns whether every
+    layer was measured independent afterwards (False: the model answers, but batch invariance is not
+    assured)."""
+    found = [f for f in linears(model) if not isinstance(f[0], RowsPaddedLinear)]
+    by_shape: dict[tuple[int, int], int] = {}  # the least rows per call that make rows independent; 0: tiles
     for _, _, child, in_features in found:
         shape = (in_features, int(getattr(child, "out_features", 0)))
         if shape not in by_shape:
-            by_shape[shape] = rows_are_independent(child, in_features, dtype, max_rows, device)
-    padded: dict[tuple[int, int], FixedRowsLinear] = {}
+            by_shape[shape] = next(
+                (
+                    rows
+                    for rows in (1, *MIN_ROWS_TRIED)
+                    if rows <= max_rows
+                    and rows_are_independent(child, in_features, dtype, max_rows, device, min_rows=rows)
+                ),
+                0,
+            )
+    wrapped_by_shape: dict[tuple[int, int], RowsPaddedLinear] = {}
     for parent, name, child, in_features in found:
         shape = (in_features, int(getattr(child, "out_features", 0)))
-        if not by_shape[shape]:
-            wrapped = FixedRowsLinear(child, in_features, tile)
-            setattr(parent, name, wrapped)
-            padded.setdefault(shape, wrapped)
+        rows = by_shape[shape]
+        if rows == 1:
+            continue
+        wrapped = (
+            MinRowsLinear(child, in_features, rows) if rows else FixedRowsLinear(child, in_features, tile)
+        )
+        setattr(parent, name, wrapped)
+        wrapped_by_shape.setdefault(shape, wrapped)
     log.info(
-        "batch_invariant: %d linear layers, %d shapes measured up to %d rows; padded to tiles of %d rows: %s",
+        "batch_invariant: %d linear layers, %d shapes measured up to %d rows; at least N rows per call: %s;"
+        " padded to tiles of %d rows: %s",
         len(found),
         len(by_shape),
         max_rows,
+        {shape: rows for shape, rows in sorted(by_shape.items()) if rows > 1} or "none",
         tile,
-        sorted(padded) or "none",
+        sorted(shape for shape, rows in by_shape.items() if rows == 0) or "none",
     )
-    return all(rows_are_independent(m, m.in_features, dtype, max_rows, device) for m in padded.values())
+    return all(
+        rows_are_independent(m, m.in_features, dtype, max_rows, device) for m in wrapped_by_shape.values()
+    )

@@ -142,3 +142,26 @@ def test_a_linear_layer_that_rounds_by_the_row_count_is_measured_and_tiled():
     x = torch.randn(37, 16)
     with torch.inference_mode():
         assert torch.equal(model(x)[5:6], model(x[5:6]))
+
+
+class OneRowKernel(torch.nn.Linear):
+    """A linear layer with a kernel of its own for one row (as oneDNN's bfloat16 1536 -> 576 product on
+    AVX-512 BF16): a row alone rounds differently from the same row among any number of others."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (1 + 1e-6 * (x.reshape(-1, 16).shape[0] == 1))
+
+
+def test_a_linear_layer_whose_one_row_kernel_differs_gets_two_rows_per_call_not_tiles():
+    from local_runner.dense import MinRowsLinear, make_rows_invariant, rows_are_independent
+
+    model = torch.nn.Sequential(OneRowKernel(16, 8, bias=False))
+    assert not rows_are_independent(model[0], 16, torch.float32, 40, torch.device("cpu"))
+    assert rows_are_independent(model[0], 16, torch.float32, 40, torch.device("cpu"), min_rows=2)
+    assert make_rows_invariant(model, torch.float32, torch.device("cpu"), max_rows=40)
+    assert isinstance(model[0], MinRowsLinear) and model[0].rows == 2
+    x = torch.randn(37, 16)
+    with torch.inference_mode():
+        whole = model(x)
+        assert all(torch.equal(whole[r : r + 1], model(x[r : r + 1])) for r in (0, 5, 36))
+        assert torch.equal(whole[:3], model(x[:3]))
