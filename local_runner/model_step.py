@@ -198,9 +198,11 @@ def _decoder_stack(lm: LoadedModel) -> DecoderStack | None:
 def _make_rows_invariant(lm: LoadedModel, max_rows: int) -> None:
     """batch_invariant: a row's product must not depend on the rows beside it. The linear layers are
     wrapped once per loaded model (dense.make_rows_invariant: measured per shape, padded tiles where the
-    kernel depends on the row count); a failed check is said, not hidden."""
+    kernel depends on the row count); a failed check is said, not hidden. The measurement multiplies on a
+    thread that ends with it (loader.on_passing_thread says why: on the caller's thread it left the
+    runner's steps at half speed, 2026-12-03)."""
     if lm.rows_invariant is None:
-        lm.rows_invariant = make_rows_invariant(lm.model, lm.dtype, lm.device, max_rows)
+        lm.rows_invariant = on_passing_thread(make_rows_invariant, lm.model, lm.dtype, lm.device, max_rows)
         if not lm.rows_invariant:
             log.warning("model %s: batch_invariant: a linear layer still depends on the batch here", lm.name)
 
