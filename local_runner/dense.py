@@ -76,8 +76,8 @@ def rows_are_independent(
     for this shape on this machine, so it is measured (on sampled rows and row counts: every count up to
     40, those around each power of two, and the largest): MKL's float32 products differ from 2 rows on,
     oneDNN's packed ones did not on AVX2 (2026-12-02), and a 1536 -> 576 bfloat16 product on AVX-512 BF16
-    rounded one row alone (a kernel of its own) differently from the same row among 2 to 512, which all
-    agreed (2026-12-03): there `min_rows=2` holds."""
+    rounded one row alone (a kernel of its own) differently from the same row among 2 to 528 (the sizes
+    this check samples), which all agreed (2026-12-03): there `min_rows=2` holds."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(max_rows, in_features, generator=g).to(dtype=dtype, device=device)
     sampled = sorted(

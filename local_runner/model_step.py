@@ -197,8 +197,8 @@ def _decoder_stack(lm: LoadedModel) -> DecoderStack | None:
 
 def _make_rows_invariant(lm: LoadedModel, max_rows: int) -> None:
     """batch_invariant: a row's product must not depend on the rows beside it. The linear layers are
-    wrapped once per loaded model (dense.make_rows_invariant: measured per shape, padded tiles where the
-    kernel depends on the row count); a failed check is said, not hidden. The measurement multiplies on a
+    wrapped once per loaded model (dense.make_rows_invariant: measured per shape; at least 2 rows per call,
+    or padded tiles, where the kernel depends on the row count); a failed check is said, not hidden. The measurement multiplies on a
     thread that ends with it (loader.on_passing_thread says why: on the caller's thread it left the
     runner's steps at half speed, 2026-12-03)."""
     if lm.rows_invariant is None:
