@@ -1,4 +1,5 @@
-"""The row-invariant CPU attention kernel (exact_attention.cpp): built once per machine with the system's C++
+"""The row-invariant CPU kernels (exact_attention.cpp: attention; exact_elementwise.cpp: the step's residual
+adds, norms, rotary and SiLU fused, 4 calls per layer instead of ~25): built once per machine with the system's C++
 compiler (torch's cpp_extension, ~20-30 s on 2 cores), kept under the runner's cache folder, loaded in
 milliseconds at later starts.
 
@@ -28,7 +29,8 @@ import torch
 
 log = logging.getLogger("attnstore.runner")
 
-_SOURCE = Path(__file__).with_name("exact_attention.cpp")
+# exact_attention.cpp: the attention operator; exact_elementwise.cpp: the step's norms, rotary and SiLU.
+_SOURCES = [Path(__file__).with_name(name) for name in ("exact_attention.cpp", "exact_elementwise.cpp")]
 _lock = threading.Lock()
 _kernel: Any = None
 _failure: str | None = None
@@ -83,7 +85,7 @@ def build(cache_dir: Path) -> str | None:
             # pybind11 bindings' headers would double the build); cpp_extension loads it.
             cpp_extension.load(
                 name="attnstore_exact_attention",
-                sources=[str(_SOURCE)],
+                sources=[str(source) for source in _SOURCES],
                 # -fopenmp: at::parallel_for's OpenMP region is in a header, compiled here
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
@@ -92,11 +94,22 @@ def build(cache_dir: Path) -> str | None:
                 verbose=False,
             )
             _kernel = torch.ops.attnstore.exact_attend.default
+            _check_elementwise()
             log.info("exact attention kernel ready in %.1f s", time.perf_counter() - started)
         except Exception as exc:  # no compiler, no ninja, a failed build: the padded calls serve
             _failure = (str(exc).strip().split("\n")[0][:200]) or type(exc).__name__
             log.warning("exact attention kernel not built (%s): exact_attention.py's calls serve", _failure)
         return _failure
+
+
+def _check_elementwise() -> None:
+    """The fused elementwise operators are there (one library with the attention's): a library built
+    from an older source would lack them, and the step must not find out mid-forward."""
+    missing = [
+        n for n in ("rms_norm", "add_rms_norm_", "rotary_", "silu_mul") if not hasattr(torch.ops.attnstore, n)
+    ]
+    if missing:
+        raise RuntimeError(f"the built kernel lacks {', '.join(missing)}")
 
 
 # The head sizes exact_attention.cpp is instantiated for (a model with another runs the padded calls).

@@ -64,6 +64,13 @@ class ModelStep:
         if batch_invariant and packed and lm.device.type == "cpu":
             exact_kernel.ensure_built()  # once per process (and once per machine: kept on disk)
         stack = _decoder_stack(lm) if packed else None
+        if (
+            stack is not None
+            and batch_invariant
+            and lm.device.type == "cpu"
+            and exact_kernel.ready(stack.head_dim)
+        ):
+            stack.use_fused_elementwise()
         step = cls(lm, packed, stack, _make_pool(lm, slots, context), batch_invariant, why_not is None)
         if why_not is None:
             step.compile_status = "compiling (the eager step serves meanwhile)"

@@ -165,3 +165,96 @@ def test_a_linear_layer_whose_one_row_kernel_differs_gets_two_rows_per_call_not_
         whole = model(x)
         assert all(torch.equal(whole[r : r + 1], model(x[r : r + 1])) for r in (0, 5, 36))
         assert torch.equal(whole[:3], model(x[:3]))
+
+
+def torch_elementwise(x, delta, weight, qkv, cos, sin, rotated_heads, gate_up):
+    """decoder.py's torch operations for the same work: (x + delta, its norm, q/k rotated, SiLU * up)."""
+    import torch.nn.functional as F
+
+    from local_runner.decoder import _rms_norm, _rotate
+
+    added = x + delta
+    gate, up = gate_up.chunk(2, dim=-1)
+    rotated = _rotate(qkv[:, :rotated_heads], cos[:, None], sin[:, None])
+    return added, _rms_norm(added, weight, 1e-5), rotated, F.silu(gate) * up
+
+
+def elementwise_inputs(rows: int, dtype: torch.dtype, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    x, delta = (torch.randn(rows, 576, generator=g).to(dtype) for _ in range(2))
+    weight = torch.randn(576, generator=g).to(dtype)
+    qkv = torch.randn(rows, 15, 64, generator=g).to(dtype)
+    half = torch.randn(rows, 32, generator=g)
+    cos, sin = torch.cat([half.cos()] * 2, -1).to(dtype), torch.cat([half.sin()] * 2, -1).to(dtype)
+    gate_up = (4 * torch.randn(rows, 3072, generator=g)).to(dtype)
+    return x, delta, weight, qkv, cos, sin, gate_up
+
+
+def fused_elementwise(x, delta, weight, qkv, cos, sin, rotated_heads, gate_up):
+    """exact_elementwise.cpp's operators for torch_elementwise's work (on copies: two operate in place)."""
+    ops = torch.ops.attnstore
+    added, rotated = x.clone(), qkv.clone()
+    normed = ops.add_rms_norm_(added, delta, weight, 1e-5)
+    ops.rotary_(rotated, cos, sin, rotated_heads)
+    assert torch.equal(rotated[:, rotated_heads:], qkv[:, rotated_heads:])  # v untouched
+    assert torch.equal(ops.rms_norm(added, weight, 1e-5), normed)
+    return added, normed, rotated[:, :rotated_heads], ops.silu_mul(gate_up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_elementwise_operators_compute_what_torch_does(kernel, dtype):
+    """The residual add, RMSNorm, rotary and SiLU * up of the exact step, fused: in bfloat16 torch's
+    result bit for bit (each operation rounded where torch rounds it), in float32 to a few ulps (only the
+    mean's summation order and the exponential's polynomial differ)."""
+    inputs = elementwise_inputs(37, dtype)
+    x, delta, weight, qkv, cos, sin, gate_up = inputs
+    got = fused_elementwise(x, delta, weight, qkv, cos, sin, 12, gate_up)
+    want = torch_elementwise(x, delta, weight, qkv, cos, sin, 12, gate_up)
+    assert torch.equal(got[0], want[0])  # one addition, one rounding: the same in any dtype
+    for a, b in zip(got[1:], want[1:], strict=True):
+        if dtype == torch.bfloat16:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_elementwise_operators_compute_every_row_as_alone(kernel, dtype):
+    """A row's result is the same alone, among 600 rows (a prompt chunk's, split between threads) or
+    at any offset: the operators never group rows."""
+    inputs = elementwise_inputs(600, dtype)
+    whole = fused_elementwise(*inputs[:6], 12, inputs[6])
+    for first, n in ((0, 1), (299, 1), (17, 5), (512, 88)):
+        rows = [t[first : first + n] for t in inputs]
+        rows[2] = inputs[2]  # the weight is shared
+        part = fused_elementwise(*rows[:6], 12, rows[6])
+        for a, b in zip(part, whole, strict=True):
+            assert torch.equal(a, b[first : first + n]), (first, n)
+
+
+def test_the_decoder_stack_on_the_fused_operators_computes_what_it_does_on_torchs(kernel):
+    """The eager forward with the fused operators (use_fused_elementwise, as the exact step runs it)
+    against the same forward on torch's operations: logits and K/V to float32 rounding."""
+    from local_runner.decoder import DecoderStack
+    from local_runner.loader import fuse_llama_projections
+    from local_runner.packed_attention import use_packed_attention
+    from local_runner.step import Work, run_packed
+    from tests.test_local_runner_units import _shared
+    from tests.tiny_model import tiny_llama, tiny_loaded
+
+    lm = tiny_loaded(model=tiny_llama(seed=6))
+    fuse_llama_projections(lm.model)
+    use_packed_attention(lm.model)
+    fused, plain = DecoderStack(lm.model), DecoderStack(lm.model)
+    assert fused.use_fused_elementwise() and not plain.fused
+    results = []
+    for stack in (fused, plain):
+        a, b = _shared(lm, 2)
+        first = run_packed(lm, [Work(a, [5, 9, 13, 2], want_logits=True)], stack=stack)
+        second = run_packed(
+            lm, [Work(a, [40], want_logits=True), Work(b, [7, 8, 9], want_logits=True)], stack=stack
+        )
+        results.append((first + second, [t for kv in (a, b) for pair in kv.layers() for t in pair]))
+    (logits, kv), (ref_logits, ref_kv) = results
+    for x, y in zip(logits + kv, ref_logits + ref_kv, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
