@@ -207,19 +207,36 @@ def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, int]]:
 MIN_ROWS_TRIED = (2, 4, 8, 16)
 
 
+def shape_key(child: nn.Module, in_features: int) -> str:
+    """What a linear layer's kernel choice depends on besides the machine and dtype: its class (packed or
+    not), sizes and bias."""
+    bias = getattr(child, "bias", None) is not None
+    return f"{type(child).__name__}:{in_features}x{int(getattr(child, 'out_features', 0))}:{'bias' if bias else 'nobias'}"
+
+
 def make_rows_invariant(
-    model: nn.Module, dtype: torch.dtype, device: torch.device, max_rows: int, tile: int = 16
+    model: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_rows: int,
+    tile: int = 16,
+    measured: dict[str, int] | None = None,
 ) -> bool:
     """Make every linear layer of `model` compute each row independently of the rows beside it, for steps
     of up to `max_rows` rows: layers whose kernels were measured independent stay as they are; those
     whose rows agree from some small row count on get calls of at least that many rows (MinRowsLinear,
     the cheapest); the others multiply padded tiles of `tile` rows. Idempotent. Returns whether every
     layer was measured independent afterwards (False: the model answers, but batch invariance is not
-    assured)."""
+    assured).
+
+    `measured`: the least rows per call by shape_key from an earlier run on this machine, torch and
+    dtype (the runner keeps it on disk: the measurement took 15 s of every start); shapes it lacks are
+    measured and added to it. Only the shapes measured now are verified again."""
     found = [f for f in linears(model) if not isinstance(f[0], RowsPaddedLinear)]
-    by_shape: dict[tuple[int, int], int] = {}  # the least rows per call that make rows independent; 0: tiles
+    by_shape = measured if measured is not None else {}  # the least rows per call; 0: tiles
+    known = set(by_shape)
     for _, _, child, in_features in found:
-        shape = (in_features, int(getattr(child, "out_features", 0)))
+        shape = shape_key(child, in_features)
         if shape not in by_shape:
             by_shape[shape] = next(
                 (
@@ -230,9 +247,9 @@ def make_rows_invariant(
                 ),
                 0,
             )
-    wrapped_by_shape: dict[tuple[int, int], RowsPaddedLinear] = {}
+    wrapped_by_shape: dict[str, RowsPaddedLinear] = {}
     for parent, name, child, in_features in found:
-        shape = (in_features, int(getattr(child, "out_features", 0)))
+        shape = shape_key(child, in_features)
         rows = by_shape[shape]
         if rows == 1:
             continue
@@ -240,16 +257,19 @@ def make_rows_invariant(
             MinRowsLinear(child, in_features, rows) if rows else FixedRowsLinear(child, in_features, tile)
         )
         setattr(parent, name, wrapped)
-        wrapped_by_shape.setdefault(shape, wrapped)
+        if shape not in known:
+            wrapped_by_shape.setdefault(shape, wrapped)
+    shapes = {shape_key(child, in_features) for _, _, child, in_features in found}
     log.info(
-        "batch_invariant: %d linear layers, %d shapes measured up to %d rows; at least N rows per call: %s;"
-        " padded to tiles of %d rows: %s",
+        "batch_invariant: %d linear layers, %d shapes (%d measured now, up to %d rows; the others as"
+        " measured before on this machine); at least N rows per call: %s; padded to tiles of %d rows: %s",
         len(found),
-        len(by_shape),
+        len(shapes),
+        len(shapes - known),
         max_rows,
-        {shape: rows for shape, rows in sorted(by_shape.items()) if rows > 1} or "none",
+        {shape: by_shape[shape] for shape in sorted(shapes) if by_shape[shape] > 1} or "none",
         tile,
-        sorted(shape for shape, rows in by_shape.items() if rows == 0) or "none",
+        sorted(shape for shape in shapes if by_shape[shape] == 0) or "none",
     )
     return all(
         rows_are_independent(m, m.in_features, dtype, max_rows, device) for m in wrapped_by_shape.values()

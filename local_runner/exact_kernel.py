@@ -64,6 +64,12 @@ def machine_key() -> str:
     return f"{platform.machine()}-{digest}"
 
 
+def machine_folder() -> Path:
+    """The configured cache folder's part for this machine and torch (the built kernel, and what was
+    measured of torch's kernels here)."""
+    return _cache_dir / "kernels" / machine_key()
+
+
 def build(cache_dir: Path) -> str | None:
     """Build (or load the built) kernel under `cache_dir`; None when it is ready, else why not.
     Idempotent and thread-safe: the first caller builds, the others wait for it."""

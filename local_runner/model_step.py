@@ -6,12 +6,15 @@ path, its KV pool, and batch invariance. The Runner owns one per model and asks 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -205,13 +208,70 @@ def _decoder_stack(lm: LoadedModel) -> DecoderStack | None:
 def _make_rows_invariant(lm: LoadedModel, max_rows: int) -> None:
     """batch_invariant: a row's product must not depend on the rows beside it. The linear layers are
     wrapped once per loaded model (dense.make_rows_invariant: measured per shape; at least 2 rows per call,
-    or padded tiles, where the kernel depends on the row count); a failed check is said, not hidden. The measurement multiplies on a
-    thread that ends with it (loader.on_passing_thread says why: on the caller's thread it left the
+    or padded tiles, where the kernel depends on the row count); a failed check is said, not hidden. What
+    was measured is kept per machine (rows_file): the measurement took 15 s of every start. It multiplies
+    on a thread that ends with it (loader.on_passing_thread says why: on the caller's thread it left the
     runner's steps at half speed, 2026-12-03)."""
     if lm.rows_invariant is None:
-        lm.rows_invariant = on_passing_thread(make_rows_invariant, lm.model, lm.dtype, lm.device, max_rows)
+        path = rows_file(lm.dtype, max_rows) if lm.device.type == "cpu" else None  # a GPU: every start
+        measured = _read_rows(path) if path is not None else {}
+        before = dict(measured)
+        lm.rows_invariant = on_passing_thread(
+            make_rows_invariant, lm.model, lm.dtype, lm.device, max_rows, measured=measured
+        )
         if not lm.rows_invariant:
             log.warning("model %s: batch_invariant: a linear layer still depends on the batch here", lm.name)
+        elif path is not None and measured != before:
+            _write_rows(path, measured)
+
+
+# Environment variables that change which kernels torch's products run (and so how they round).
+_KERNEL_ENVIRONMENT = (
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "ATEN_CPU_CAPABILITY",
+)
+
+
+def rows_file(dtype: torch.dtype, max_rows: int) -> Path:
+    """Where the rows per call measured for this dtype are kept: under the machine's folder (its CPU
+    flags and torch's version in the name: what picks the kernels), with the thread count (oneDNN's
+    blocking follows it), the rows measured up to, and a digest of dense.py (how it measures) and of the
+    settings that cap the ISA oneDNN, MKL and ATen use."""
+    digest = hashlib.sha256(Path(make_rows_invariant.__code__.co_filename).read_bytes())
+    for variable in _KERNEL_ENVIRONMENT:
+        digest.update(f"|{variable}={os.environ.get(variable, '')}".encode())
+    source = digest.hexdigest()[:8]
+    name = f"rows-{str(dtype).removeprefix('torch.')}-{torch.get_num_threads()}t-{max_rows}-{source}.json"
+    return exact_kernel.machine_folder() / name
+
+
+def _read_rows(path: Path) -> dict[str, int]:
+    """The kept measurement, or nothing (missing, unreadable or malformed: measured again, rewritten)."""
+    try:
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and all(
+            isinstance(k, str) and type(v) is int and v >= 0 for k, v in data.items()
+        ):
+            return data
+        log.warning("%s is malformed: measuring again", path)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as exc:
+        log.warning("%s unreadable (%s): measuring again", path, exc)
+    return {}
+
+
+def _write_rows(path: Path, measured: dict[str, int]) -> None:
+    """Write atomically (a crash leaves the old file or none); a failure costs the next start 15 s."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(measured, sort_keys=True))
+        os.replace(temporary, path)
+    except OSError as exc:
+        log.warning("could not keep the rows measured in %s: %s", path, exc)
 
 
 def _make_pool(lm: LoadedModel, slots: int, context: int) -> SlotPool:

@@ -258,3 +258,36 @@ def test_the_decoder_stack_on_the_fused_operators_computes_what_it_does_on_torch
     (logits, kv), (ref_logits, ref_kv) = results
     for x, y in zip(logits + kv, ref_logits + ref_kv, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_the_rows_measured_are_kept_per_machine_and_a_corrupt_file_is_measured_again(tmp_path, monkeypatch):
+    """batch_invariant's measurement of the linear layers (15 s of a start) is kept under the machine's
+    folder: a second start wraps the same layers without measuring; a corrupt file is measured again
+    and rewritten, never trusted."""
+    import json
+
+    from local_runner import dense, model_step
+    from local_runner.dense import FixedRowsLinear
+    from tests.tiny_model import tiny_llama, tiny_loaded
+
+    monkeypatch.setattr(exact_kernel, "_cache_dir", tmp_path)
+    calls = []
+    measure = dense.rows_are_independent
+    monkeypatch.setattr(dense, "rows_are_independent", lambda *a, **k: calls.append(1) or measure(*a, **k))
+
+    def start():
+        """A model as a runner loads it, its head a kernel that rounds by the row count."""
+        lm = tiny_loaded(model=tiny_llama(seed=7))
+        lm.model.lm_head = RowCountDependent(64, 80, bias=False)
+        calls.clear()
+        model_step._make_rows_invariant(lm, 40)
+        assert lm.rows_invariant and isinstance(lm.model.lm_head, FixedRowsLinear)
+        return len(calls)
+
+    path = model_step.rows_file(torch.float32, 40)
+    assert start() > 0 and path.parent.parent == tmp_path / "kernels"
+    kept = json.loads(path.read_text())
+    assert kept["RowCountDependent:64x80:nobias"] == 0  # tiles
+    assert start() == 0  # nothing measured: the kept file says it all
+    path.write_text('{"RowCountDependent:64x80:nobias": "one"')
+    assert start() > 0 and json.loads(path.read_text()) == kept
