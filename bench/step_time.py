@@ -5,7 +5,8 @@ at fixed contexts, the prefill of a long prompt, and each variant's start-up tim
                               [--variants exact compiled] [--prefill 2000]
 
 Variants: `exact` (the default engine: batch_invariant, eager), `compiled` (batch_invariant false,
-torch.compile: the rounding-dependent path), `eager` (batch_invariant false, eager). Each times
+torch.compile: the rounding-dependent path), `eager` (batch_invariant false, eager), `exact-unfused`
+(the exact step on torch's elementwise operations, not exact_elementwise.cpp's). Each times
 `ModelStep.forward` (the step the runner calls, attention and KV writes included; no scheduling,
 sampling or HTTP) on the thread that warmed it up, the variants alternating step by step. Run it alone.
 """
@@ -26,7 +27,12 @@ from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 from .support.waiting import wait_until
 
-VARIANTS = {"exact": (False, True), "compiled": (True, False), "eager": (False, False)}
+VARIANTS = {
+    "exact": (False, True),
+    "exact-unfused": (False, True),
+    "compiled": (True, False),
+    "eager": (False, False),
+}
 
 
 def prepare(args: argparse.Namespace, variant: str) -> ModelStep:
@@ -41,6 +47,8 @@ def prepare(args: argparse.Namespace, variant: str) -> ModelStep:
         batch_invariant=invariant,
         compile=compile,
     )
+    if variant == "exact-unfused" and step.stack is not None:
+        step.stack.fused = False
     started = time.perf_counter()
     step.warm_up(step.forward)
     wait_until(lambda: not step.compiling, "the compile", 900, interval=0.2)  # it runs on its own thread
