@@ -11,7 +11,9 @@ or AVX-NE-CONVERT (elsewhere the module stays as it is). Not on CUDA. Whether a 
 the same way whatever the number of rows beside it depends on the shape (a 1536 -> 576 product here
 does not): `batch_invariant` measures every shape at start (`make_rows_invariant`); a shape whose rows
 agree from some small row count on (two: the one-row kernel is the odd one out) gets at least that many
-rows per call, any other that depends on it fixed tiles of rows.
+rows per call; one whose every row of a small call is computed as alone, up to some row count where
+another kernel takes over (oneDNN's bfloat16 products on AMX past 32 rows), gets calls of at most that
+many rows; any other fixed tiles of rows.
 """
 
 from __future__ import annotations
@@ -143,6 +145,18 @@ class MinRowsLinear(RowsPaddedLinear):
         return self.inner(_padded(flat, self.rows))
 
 
+class MaxRowsLinear(RowsPaddedLinear):
+    """At most `rows` rows per call, nothing padded: batch invariance for kernels that compute every row
+    of a call of up to `rows` rows as they compute it alone, and switch to another kernel (another
+    rounding) past that (oneDNN's bfloat16 products on AMX past 32 rows, 2026-12-03). Costs nothing at
+    decoding; a prompt chunk is cut into calls of `rows` rows."""
+
+    def multiply(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.shape[0] <= self.rows:
+            return self.inner(flat)
+        return torch.cat([self.inner(tile) for tile in flat.split(self.rows)])
+
+
 class ProjectionSlice(nn.Module):
     """What was q_proj (k_proj, gate_proj, ...) before its weight joined a fused projection: for
     transformers' own forward (the reference path) it computes the fused product and keeps its columns
@@ -202,9 +216,48 @@ def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, int]]:
     return found
 
 
-# Row counts tried, smallest first, as the least a call may have (MinRowsLinear) before falling back to
-# fixed tiles: the one-row kernel is the usual odd one out.
+# How a shape's calls are laid out for batch invariance, as measured (and kept on disk): "any" (every
+# row as alone in a call of any size: unwrapped), "at-least-N" (MinRowsLinear), "at-most-N"
+# (MaxRowsLinear), "tiles" (FixedRowsLinear). Tried in this order, the cheapest first: a padded row or
+# so at decoding; then extra calls for long prompt chunks only, the fewest first; then padded tiles.
 MIN_ROWS_TRIED = (2, 4, 8, 16)
+MAX_ROWS_TRIED = (256, 128, 64, 32, 16)
+TILES = "tiles"
+
+
+def measure_rule(
+    child: nn.Module, in_features: int, dtype: torch.dtype, max_rows: int, device: torch.device
+) -> str:
+    """The cheapest rule under which `child`'s rows do not depend on the rows beside them (see above)."""
+    if rows_are_independent(child, in_features, dtype, max_rows, device):
+        return "any"
+    for rows in MIN_ROWS_TRIED:
+        if rows <= max_rows and rows_are_independent(child, in_features, dtype, max_rows, device, rows):
+            return f"at-least-{rows}"
+    for rows in MAX_ROWS_TRIED:
+        if rows < max_rows and rows_are_independent(child, in_features, dtype, rows, device):
+            return f"at-most-{rows}"
+    return TILES
+
+
+def is_rule(rule: object) -> bool:
+    """Whether `rule` is one measure_rule gives (a kept file is checked before it is trusted)."""
+    if rule in ("any", TILES):
+        return True
+    if not isinstance(rule, str):
+        return False
+    kind, _, rows = rule.rpartition("-")
+    return kind in ("at-least", "at-most") and rows.isdigit() and int(rows) > 0
+
+
+def wrap(child: nn.Module, in_features: int, rule: str, tile: int) -> nn.Module | None:
+    """`child` laid out by `rule` (None: it stays as it is)."""
+    if rule == "any":
+        return None
+    if rule == TILES:
+        return FixedRowsLinear(child, in_features, tile)
+    kind, _, rows = rule.rpartition("-")
+    return (MinRowsLinear if kind == "at-least" else MaxRowsLinear)(child, in_features, int(rows))
 
 
 def shape_key(child: nn.Module, in_features: int) -> str:
@@ -220,56 +273,43 @@ def make_rows_invariant(
     device: torch.device,
     max_rows: int,
     tile: int = 16,
-    measured: dict[str, int] | None = None,
+    measured: dict[str, str] | None = None,
 ) -> bool:
     """Make every linear layer of `model` compute each row independently of the rows beside it, for steps
-    of up to `max_rows` rows: layers whose kernels were measured independent stay as they are; those
-    whose rows agree from some small row count on get calls of at least that many rows (MinRowsLinear,
-    the cheapest); the others multiply padded tiles of `tile` rows. Idempotent. Returns whether every
-    layer was measured independent afterwards (False: the model answers, but batch invariance is not
-    assured).
+    of up to `max_rows` rows, by the cheapest rule measured for its shape (measure_rule): layers measured
+    independent stay as they are; the others get at least N rows per call, at most N, or padded tiles of
+    `tile` rows. Idempotent. Returns whether every layer was measured independent afterwards (False: the
+    model answers, but batch invariance is not assured).
 
-    `measured`: the least rows per call by shape_key from an earlier run on this machine, torch and
-    dtype (the runner keeps it on disk: the measurement took 15 s of every start); shapes it lacks are
-    measured and added to it. Only the shapes measured now are verified again."""
+    `measured`: the rule by shape_key from an earlier run on this machine, torch and dtype (the runner
+    keeps it on disk: the measurement took 15 s of every start); shapes it lacks are measured and added
+    to it. Only the shapes measured now are verified again."""
     found = [f for f in linears(model) if not isinstance(f[0], RowsPaddedLinear)]
-    by_shape = measured if measured is not None else {}  # the least rows per call; 0: tiles
+    by_shape = measured if measured is not None else {}
     known = set(by_shape)
     for _, _, child, in_features in found:
         shape = shape_key(child, in_features)
         if shape not in by_shape:
-            by_shape[shape] = next(
-                (
-                    rows
-                    for rows in (1, *MIN_ROWS_TRIED)
-                    if rows <= max_rows
-                    and rows_are_independent(child, in_features, dtype, max_rows, device, min_rows=rows)
-                ),
-                0,
-            )
-    wrapped_by_shape: dict[str, RowsPaddedLinear] = {}
+            by_shape[shape] = measure_rule(child, in_features, dtype, max_rows, device)
+    wrapped_by_shape: dict[str, nn.Module] = {}
     for parent, name, child, in_features in found:
         shape = shape_key(child, in_features)
-        rows = by_shape[shape]
-        if rows == 1:
+        wrapped = wrap(child, in_features, by_shape[shape], tile)
+        if wrapped is None:
             continue
-        wrapped = (
-            MinRowsLinear(child, in_features, rows) if rows else FixedRowsLinear(child, in_features, tile)
-        )
         setattr(parent, name, wrapped)
         if shape not in known:
             wrapped_by_shape.setdefault(shape, wrapped)
     shapes = {shape_key(child, in_features) for _, _, child, in_features in found}
     log.info(
         "batch_invariant: %d linear layers, %d shapes (%d measured now, up to %d rows; the others as"
-        " measured before on this machine); at least N rows per call: %s; padded to tiles of %d rows: %s",
+        " measured before on this machine); rows per call (tiles: padded to %d): %s",
         len(found),
         len(shapes),
         len(shapes - known),
         max_rows,
-        {shape: by_shape[shape] for shape in sorted(shapes) if by_shape[shape] > 1} or "none",
         tile,
-        sorted(shape for shape in shapes if by_shape[shape] == 0) or "none",
+        {shape: by_shape[shape] for shape in sorted(shapes)},
     )
     return all(
         rows_are_independent(m, m.in_features, dtype, max_rows, device) for m in wrapped_by_shape.values()

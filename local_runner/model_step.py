@@ -21,7 +21,7 @@ import torch
 from . import exact_kernel
 from .compiled import CompiledStack, first_line
 from .decoder import DecoderStack
-from .dense import make_rows_invariant
+from .dense import is_rule, make_rows_invariant
 from .job_kv import JobKV
 from .kv_slots import SlotPool, cuda_capacity
 from .loader import LoadedModel, on_passing_thread, pack_dense
@@ -208,7 +208,7 @@ def _decoder_stack(lm: LoadedModel) -> DecoderStack | None:
 def _make_rows_invariant(lm: LoadedModel, max_rows: int) -> None:
     """batch_invariant: a row's product must not depend on the rows beside it. The linear layers are
     wrapped once per loaded model (dense.make_rows_invariant: measured per shape; at least 2 rows per call,
-    or padded tiles, where the kernel depends on the row count); a failed check is said, not hidden. What
+    at most 32, or padded tiles, where the kernel depends on the row count); a failed check is said, not hidden. What
     was measured is kept per machine (rows_file): the measurement took 15 s of every start. It multiplies
     on a thread that ends with it (loader.on_passing_thread says why: on the caller's thread it left the
     runner's steps at half speed, 2026-12-03)."""
@@ -247,13 +247,11 @@ def rows_file(dtype: torch.dtype, max_rows: int) -> Path:
     return exact_kernel.machine_folder() / name
 
 
-def _read_rows(path: Path) -> dict[str, int]:
+def _read_rows(path: Path) -> dict[str, str]:
     """The kept measurement, or nothing (missing, unreadable or malformed: measured again, rewritten)."""
     try:
         data = json.loads(path.read_text())
-        if isinstance(data, dict) and all(
-            isinstance(k, str) and type(v) is int and v >= 0 for k, v in data.items()
-        ):
+        if isinstance(data, dict) and all(isinstance(k, str) and is_rule(v) for k, v in data.items()):
             return data
         log.warning("%s is malformed: measuring again", path)
     except FileNotFoundError:
@@ -263,7 +261,7 @@ def _read_rows(path: Path) -> dict[str, int]:
     return {}
 
 
-def _write_rows(path: Path, measured: dict[str, int]) -> None:
+def _write_rows(path: Path, measured: dict[str, str]) -> None:
     """Write atomically (a crash leaves the old file or none); a failure costs the next start 15 s."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -167,6 +167,35 @@ def test_a_linear_layer_whose_one_row_kernel_differs_gets_two_rows_per_call_not_
         assert torch.equal(whole[:3], model(x[:3]))
 
 
+class KernelPast32Rows(torch.nn.Linear):
+    """A linear layer that computes a call of up to 32 rows as each row alone and takes another kernel
+    past that (oneDNN's bfloat16 products on AMX, 2026-12-03): some rows of a longer call round
+    differently."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, 16)  # each row's products summed on its own (MKL's float32 gemm is not)
+        y = (rows[:, None, :] * self.weight).sum(-1) * (1 + 1e-6 * (rows.shape[0] > 32))
+        return y.reshape(*x.shape[:-1], -1)
+
+
+def test_a_linear_layer_that_changes_kernel_past_32_rows_gets_at_most_32_rows_per_call_unpadded():
+    from local_runner.dense import MaxRowsLinear, make_rows_invariant, measure_rule
+
+    cpu = torch.device("cpu")
+    assert measure_rule(KernelPast32Rows(16, 8, bias=False), 16, torch.float32, 100, cpu) == "at-most-32"
+    model = torch.nn.Sequential(KernelPast32Rows(16, 8, bias=False))
+    assert make_rows_invariant(model, torch.float32, cpu, max_rows=100)
+    assert isinstance(model[0], MaxRowsLinear) and model[0].rows == 32
+    calls = []
+    model[0].inner.register_forward_hook(lambda _m, args, _out: calls.append(args[0].shape[0]))
+    x = torch.randn(70, 16)
+    with torch.inference_mode():
+        whole = model(x)
+        assert calls == [32, 32, 6]  # nothing padded
+        assert all(torch.equal(whole[r : r + 1], model(x[r : r + 1])) for r in (0, 31, 32, 69))
+        assert calls[3:] == [1, 1, 1, 1]
+
+
 def torch_elementwise(x, delta, weight, qkv, cos, sin, rotated_heads, gate_up):
     """decoder.py's torch operations for the same work: (x + delta, its norm, q/k rotated, SiLU * up)."""
     import torch.nn.functional as F
@@ -287,7 +316,7 @@ def test_the_rows_measured_are_kept_per_machine_and_a_corrupt_file_is_measured_a
     path = model_step.rows_file(torch.float32, 40)
     assert start() > 0 and path.parent.parent == tmp_path / "kernels"
     kept = json.loads(path.read_text())
-    assert kept["RowCountDependent:64x80:nobias"] == 0  # tiles
+    assert kept["RowCountDependent:64x80:nobias"] == "tiles"
     assert start() == 0  # nothing measured: the kept file says it all
     path.write_text('{"RowCountDependent:64x80:nobias": "one"')
     assert start() > 0 and json.loads(path.read_text()) == kept
