@@ -26,6 +26,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "exact_amx.h"
+
 namespace {
 
 constexpr int64_t kLanes = 8;
@@ -60,26 +62,30 @@ inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 
 // exp(x) for x <= 0 (scores minus their max), exactly 0 below -87 (and for -inf): Cody-Waite reduction
 // and Cephes' degree-6 polynomial (rel. error ~2e-7). The same operations for every lane, so an
-// element's value never depends on its neighbours.
-inline v8f exp8(v8f x) {
-  const v8i tiny = x < splat(-87.0f);
-  const v8f v = tiny ? splat(-87.0f) : x;
-  const v8f magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const v8f n = (v * splat(1.44269504088896341f) + magic) - magic;
-  v8f r = v - n * splat(0.693359375f);
-  r = r - n * splat(-2.12194440e-4f);
-  v8f p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * (r * r) + r + splat(1.0f);
-  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8f scale;
+// element's value never depends on its neighbours (and 8 or 16 lanes give the same bits).
+template <typename VF, typename VI>
+inline VF exp_lanes(VF x) {
+  const VF zero = VF{};
+  auto c = [&](float value) { return zero + value; };
+  const VI tiny = x < c(-87.0f);
+  const VF v = tiny ? c(-87.0f) : x;
+  const VF magic = c(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const VF n = (v * c(1.44269504088896341f) + magic) - magic;
+  VF r = v - n * c(0.693359375f);
+  r = r - n * c(-2.12194440e-4f);
+  VF p = c(1.9875691500e-4f);
+  p = p * r + c(1.3981999507e-3f);
+  p = p * r + c(8.3334519073e-3f);
+  p = p * r + c(4.1665795894e-2f);
+  p = p * r + c(1.6666665459e-1f);
+  p = p * r + c(5.0000001201e-1f);
+  p = p * (r * r) + r + c(1.0f);
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  VF scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return tiny ? splat(0.0f) : p * scale;
+  return tiny ? zero : p * scale;
 }
+inline v8f exp8(v8f x) { return exp_lanes<v8f, v8i>(x); }
 
 // The lanes' sums of eight vectors at once, each in sum8's tree: out[r] == sum8(x[r]) bit for bit.
 inline v8f sum8x8(const v8f* x) {
@@ -271,6 +277,187 @@ void attend_rows(const T* q, const T* k, const T* v, const int64_t* slots, const
   });
 }
 
+#if EXACT_AMX
+// bfloat16 on a CPU with AMX (built with -march=native on such a CPU): the same contract, on the tile
+// unit. Per work item (up to 16 query rows of one slot and K/V head: a decoding token's heads, or a few
+// consecutive prompt tokens'):
+//   scores^T = K Q^T   16 keys at a time, K's rows loaded as they are stored, Q^T once per item;
+//                      each score a dot over head_dim in AMX's order, 32 dims per instruction, in order
+//   weights  = exp(scores * scale - max)   the 16 rows as 16 lanes, keys in order; past a row's own
+//                      keys -inf, whose weight is exactly 0; the sum in key order, one lane per row
+//   out      = (weights in bfloat16) V / sum   32 keys at a time from key 0, V's key pairs interleaved
+// A row's bits depend on its query, its keys and this fixed split (never on the other rows of the item,
+// whose extra keys add exact zeros to its sums), and a decoding token is computed by the same
+// instructions as a prompt token: reuse equals recompute. The weights are rounded to bfloat16 for the
+// second product (as torch's flash attention does in bfloat16). Measured against the 8-lane loop on a
+// 2-core Xeon with AMX (2026-12-03): a 512-token chunk after 1,536 tokens 6.2 ms against 24 ms (torch's
+// flash attention 6-8 ms), 16 decoding tokens at 1,000 tokens 0.75 ms against 0.95.
+using namespace exact_amx;
+
+// out tiles 0..n-1 (n <= 4, 16 dims each) += A (tile 4) x the interleaved values in `pairs`.
+inline void weigh_tiles(const uint16_t* pairs, int n) {
+  _tile_loadd(5, pairs, 64);
+  _tile_dpbf16ps(0, 4, 5);
+  if (n > 1) {
+    _tile_loadd(5, pairs + 512, 64);
+    _tile_dpbf16ps(1, 4, 5);
+  }
+  if (n > 2) {
+    _tile_loadd(5, pairs + 1024, 64);
+    _tile_dpbf16ps(2, 4, 5);
+  }
+  if (n > 3) {
+    _tile_loadd(5, pairs + 1536, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
+inline void store_tile(int t, float* dst) {
+  switch (t) {
+    case 0: _tile_stored(0, dst, 64); break;
+    case 1: _tile_stored(1, dst, 64); break;
+    case 2: _tile_stored(2, dst, 64); break;
+    default: _tile_stored(3, dst, 64); break;
+  }
+}
+
+template <int C>
+void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v, const int64_t* slots,
+                     const int64_t* lengths, at::BFloat16* out, int64_t tokens, int64_t heads, int64_t kv_heads,
+                     int64_t capacity, float scale) {
+  constexpr int64_t dim = C * kLanes, chunks = dim / 32;
+  const int64_t group = heads / kv_heads, per_item = kTileRows / group;
+  std::vector<int64_t> items_start;  // runs of up to per_item consecutive tokens of one slot
+  for (int64_t t = 0; t < tokens;) {
+    int64_t n = 1;
+    while (n < per_item && t + n < tokens && slots[t + n] == slots[t]) ++n;
+    items_start.push_back(t);
+    t += n;
+  }
+  items_start.push_back(tokens);
+  const int64_t count = static_cast<int64_t>(items_start.size()) - 1;
+  const auto* kbits = reinterpret_cast<const uint16_t*>(k);
+  const auto* vbits = reinterpret_cast<const uint16_t*>(v);
+  const auto* qbits = reinterpret_cast<const uint16_t*>(q);
+  at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) uint16_t query_t[chunks][16][32];  // Q^T, dims in pairs: [dim / 2][row][2]
+    alignas(64) uint16_t tail[16 * dim];           // a last block of fewer than 16 keys, zero-padded
+    alignas(64) uint16_t pairs[4][16][32];         // 32 keys' values, key pairs interleaved, 16 dims a tile
+    alignas(64) float result[kTileRows * 16];
+    std::vector<float> scores;     // [key][row]
+    std::vector<uint16_t> by_key, weights;  // bfloat16 weights [key][row], [row][key]
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kvh = item / count, index = item % count;
+      const int64_t t0 = items_start[index], n = items_start[index + 1] - t0, rows = n * group;
+      v16i own{};  // each row's key count; padding rows 1 (their results are dropped)
+      int64_t longest = 1;
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        own[r] = r < rows ? static_cast<int32_t>(lengths[t0 + r / group]) : 1;
+        longest = own[r] > longest ? own[r] : longest;
+      }
+      const uint16_t* keys = kbits + (slots[t0] * kv_heads + kvh) * capacity * dim;
+      const uint16_t* values = vbits + (slots[t0] * kv_heads + kvh) * capacity * dim;
+      std::memset(query_t, 0, sizeof(query_t));
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* row = qbits + ((t0 + r / group) * heads + kvh * group + r % group) * dim;
+        for (int64_t d = 0; d < dim; ++d) query_t[d / 32][(d % 32) / 2][2 * r + d % 2] = row[d];
+      }
+      // scores^T, 16 keys per tile
+      const int64_t blocks = (longest + 15) / 16;
+      scores.resize(blocks * 16 * kTileRows);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint16_t* block = keys + b * 16 * dim;
+        if ((b + 1) * 16 > longest) {
+          std::memset(tail, 0, sizeof(tail));
+          std::memcpy(tail, block, (longest - b * 16) * dim * sizeof(uint16_t));
+          block = tail;
+        }
+        _tile_zero(0);
+        for (int64_t c = 0; c < chunks; ++c) {
+          _tile_loadd(4, block + c * 32, dim * sizeof(uint16_t));
+          _tile_loadd(5, query_t[c], 64);
+          _tile_dpbf16ps(0, 4, 5);
+        }
+        _tile_stored(0, scores.data() + b * 16 * kTileRows, 64);
+      }
+      // the 16 rows' softmax as 16 lanes
+      const v16f none = v16f{} - std::numeric_limits<float>::infinity();
+      v16f top = none;
+      for (int64_t j = 0; j < longest; ++j) {
+        v16f s;
+        std::memcpy(&s, scores.data() + j * kTileRows, sizeof(s));
+        s = (v16i{} + static_cast<int32_t>(j) < own) ? s * scale : none;
+        std::memcpy(scores.data() + j * kTileRows, &s, sizeof(s));
+        top = s > top ? s : top;
+      }
+      const int64_t span = (longest + 31) / 32 * 32;
+      by_key.assign(span * kTileRows, 0);
+      v16f total{};
+      for (int64_t j = 0; j < longest; ++j) {
+        v16f s;
+        std::memcpy(&s, scores.data() + j * kTileRows, sizeof(s));
+        const v16f e = exp_lanes<v16f, v16i>(s - top);
+        total += e;
+        const v16u16 narrow = bf16_lanes(e);
+        std::memcpy(by_key.data() + j * kTileRows, &narrow, sizeof(narrow));
+      }
+      // [key][row] to [row][key]: two keys' weights (a pair, as the product reads them) per move
+      weights.resize(kTileRows * span);
+      auto* weight_pairs = reinterpret_cast<uint32_t*>(weights.data());
+      for (int64_t r = 0; r < kTileRows; ++r)
+        for (int64_t i = 0; i < span / 2; ++i)
+          weight_pairs[r * (span / 2) + i] =
+              by_key[2 * i * kTileRows + r] | static_cast<uint32_t>(by_key[(2 * i + 1) * kTileRows + r]) << 16;
+      // out = weights V, 32 keys per step, up to 64 dims (4 tiles) per pass
+      const __m512i interleave_low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+      const __m512i interleave_high = _mm512_add_epi16(interleave_low, _mm512_set1_epi16(16));
+      for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+        const int tiles = static_cast<int>((dim - d0 < 64 ? dim - d0 : 64) / 16);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k0 = 0; k0 < span; k0 += 32) {
+          for (int64_t i = 0; i < 16; ++i) {
+            const int64_t j = k0 + 2 * i;
+            for (int h = 0; h < tiles / 2; ++h) {  // 32 dims of keys j and j + 1, interleaved
+              const __m512i a = j < longest ? _mm512_loadu_si512(values + j * dim + d0 + 32 * h) : _mm512_setzero_si512();
+              const __m512i b =
+                  j + 1 < longest ? _mm512_loadu_si512(values + (j + 1) * dim + d0 + 32 * h) : _mm512_setzero_si512();
+              _mm512_store_si512(pairs[2 * h][i], _mm512_permutex2var_epi16(a, interleave_low, b));
+              _mm512_store_si512(pairs[2 * h + 1][i], _mm512_permutex2var_epi16(a, interleave_high, b));
+            }
+          }
+          _tile_loadd(4, weights.data() + k0, span * sizeof(uint16_t));
+          weigh_tiles(&pairs[0][0][0], tiles);
+        }
+        for (int t = 0; t < tiles; ++t) {
+          store_tile(t, result);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float inv = 1.0f / total[r];
+            at::BFloat16* dst = out + ((t0 + r / group) * heads + kvh * group + r % group) * dim + d0 + t * 16;
+            for (int64_t m = 0; m < 16; ++m) dst[m] = static_cast<at::BFloat16>(result[r * 16 + m] * inv);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+// Whether attend_rows_amx serves this call's shape here.
+bool amx_serves(int64_t dim, int64_t heads, int64_t kv_heads) {
+  return dim % 32 == 0 && heads / kv_heads <= kTileRows && amx_permitted();
+}
+#else
+bool amx_serves(int64_t, int64_t, int64_t) { return false; }
+template <int C>
+void attend_rows_amx(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*, const int64_t*,
+                     at::BFloat16*, int64_t, int64_t, int64_t, int64_t, float) {}
+#endif
+
 }  // namespace
 
 // q [tokens, heads, dim]; k_pool, v_pool [slots, kv_heads, capacity, dim]; slots, lengths [tokens] int64.
@@ -291,6 +478,15 @@ at::Tensor exact_attend(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::
   auto by_dim = [&](auto type) {
     using scalar_t = typename decltype(type)::type;
     auto run = [&](auto chunks) {
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16> && decltype(chunks)::value % 4 == 0) {
+        if (amx_serves(dim, heads, kv_heads)) {
+          attend_rows_amx<decltype(chunks)::value>(
+              qc.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
+              sc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), tokens, heads, kv_heads,
+              capacity, static_cast<float>(scale));
+          return;
+        }
+      }
       attend_rows<scalar_t, decltype(chunks)::value>(
           qc.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
           sc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), tokens, heads, kv_heads,
