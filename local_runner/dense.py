@@ -42,6 +42,31 @@ class PackedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+class ExactLinear(nn.Module):
+    """y = x W^T + b on exact_linear.cpp's AMX kernel (bfloat16, a CPU with AMX): every row by the same
+    tile instructions whatever the number of rows beside it, so batch invariance needs no tiling, and a
+    prompt chunk is one call that reads each weight once (oneDNN's calls had to be cut at 32 rows)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.packed = torch.ops.attnstore.amx_pack(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.attnstore.amx_linear(x, self.packed, self.bias)
+
+
+def fits_exact_linear(linear: nn.Linear) -> bool:
+    """Whether ExactLinear serves this layer's shape and dtype (the kernel's tiles: multiples of 32)."""
+    return (
+        linear.weight.dtype == torch.bfloat16
+        and linear.in_features % 32 == 0
+        and linear.out_features % 32 == 0
+    )
+
+
 def can_pack(dtype: torch.dtype, device: torch.device) -> str | None:
     """None when linear weights of this dtype can be packed here, else why not."""
     if device.type != "cpu":
@@ -96,16 +121,21 @@ def rows_are_independent(
     return True
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of `model` by a PackedLinear (a tied output head gets a packed copy of
-    its own; the embedding keeps the original). Returns how many were packed."""
-    count = 0
+def pack_linears(model: nn.Module, exact: bool = False) -> tuple[int, int]:
+    """Replace every nn.Linear of `model` by a PackedLinear, or by an ExactLinear where `exact` (the
+    kernel is built and runs here) and the layer fits it (a tied output head gets a packed copy of its
+    own; the embedding keeps the original). Returns how many of each."""
+    packed = exact_count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
-                count += 1
-    return count
+                if exact and fits_exact_linear(child):
+                    setattr(parent, name, ExactLinear(child))
+                    exact_count += 1
+                else:
+                    setattr(parent, name, PackedLinear(child))
+                    packed += 1
+    return packed, exact_count
 
 
 class RowsPaddedLinear(nn.Module):
@@ -211,7 +241,7 @@ def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, int]]:
     found: list[tuple[nn.Module, str, nn.Module, int]] = []
     for parent in list(model.modules()):
         for name, child in parent.named_children():
-            if isinstance(child, nn.Linear | PackedLinear):
+            if isinstance(child, nn.Linear | PackedLinear | ExactLinear):
                 found.append((parent, name, child, child.in_features))
     return found
 
@@ -250,7 +280,7 @@ def is_rule(rule: object) -> bool:
     return kind in ("at-least", "at-most") and rows.isdigit() and int(rows) > 0
 
 
-def wrap(child: nn.Module, in_features: int, rule: str, tile: int) -> nn.Module | None:
+def wrap(child: nn.Module, in_features: int, rule: str, tile: int) -> RowsPaddedLinear | None:
     """`child` laid out by `rule` (None: it stays as it is)."""
     if rule == "any":
         return None
@@ -291,7 +321,7 @@ def make_rows_invariant(
         shape = shape_key(child, in_features)
         if shape not in by_shape:
             by_shape[shape] = measure_rule(child, in_features, dtype, max_rows, device)
-    wrapped_by_shape: dict[str, nn.Module] = {}
+    wrapped_by_shape: dict[str, RowsPaddedLinear] = {}
     for parent, name, child, in_features in found:
         shape = shape_key(child, in_features)
         wrapped = wrap(child, in_features, by_shape[shape], tile)

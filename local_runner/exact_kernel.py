@@ -1,5 +1,6 @@
 """The row-invariant CPU kernels (exact_attention.cpp: attention; exact_elementwise.cpp: the step's residual
-adds, norms, rotary and SiLU fused, 4 calls per layer instead of ~25): built once per machine with the system's C++
+adds, norms, rotary and SiLU fused, 4 calls per layer instead of ~25; exact_linear.cpp: bfloat16 linear
+layers on AMX, where the CPU has it): built once per machine with the system's C++
 compiler (torch's cpp_extension, ~20-30 s on 2 cores), kept under the runner's cache folder, loaded in
 milliseconds at later starts.
 
@@ -29,8 +30,12 @@ import torch
 
 log = logging.getLogger("attnstore.runner")
 
-# exact_attention.cpp: the attention operator; exact_elementwise.cpp: the step's norms, rotary and SiLU.
-_SOURCES = [Path(__file__).with_name(name) for name in ("exact_attention.cpp", "exact_elementwise.cpp")]
+# exact_attention.cpp: the attention operator; exact_elementwise.cpp: the step's norms, rotary and SiLU;
+# exact_linear.cpp: bfloat16 linear layers on AMX (exact_amx.h: what it shares with the attention's).
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("exact_attention.cpp", "exact_elementwise.cpp", "exact_linear.cpp")
+]
 _lock = threading.Lock()
 _kernel: Any = None
 _failure: str | None = None
@@ -112,10 +117,17 @@ def _check_elementwise() -> None:
     """The fused elementwise operators are there (one library with the attention's): a library built
     from an older source would lack them, and the step must not find out mid-forward."""
     missing = [
-        n for n in ("rms_norm", "add_rms_norm_", "rotary_", "silu_mul") if not hasattr(torch.ops.attnstore, n)
+        n
+        for n in ("rms_norm", "add_rms_norm_", "rotary_", "silu_mul", "amx_linear")
+        if not hasattr(torch.ops.attnstore, n)
     ]
     if missing:
         raise RuntimeError(f"the built kernel lacks {', '.join(missing)}")
+
+
+def amx_linear_ready() -> bool:
+    """Whether exact_linear.cpp's bfloat16 AMX kernel runs here (built, on a CPU with AMX)."""
+    return _kernel is not None and bool(torch.ops.attnstore.amx_linear_ready())
 
 
 # The head sizes exact_attention.cpp is instantiated for (a model with another runs the padded calls).

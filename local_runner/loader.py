@@ -279,10 +279,17 @@ def fuse_llama_projections(model: Any) -> None:
         log.info("fused q/k/v and gate/up projections in %d layers", fuse_projections(model))
 
 
-def pack_dense(model: Any, dtype: torch.dtype, device: torch.device) -> str:
+def pack_dense(model: Any, dtype: torch.dtype, device: torch.device, exact: bool = False) -> str:
     """Pack the linear weights for oneDNN where this machine can (the eager step's dense path; a compiled
-    step packs its own); returns the dense path's name for /healthz and the log."""
+    step packs its own), or for exact_linear.cpp's kernel where `exact` (batch_invariant, the kernel
+    built and runnable here); returns the dense path's name for /healthz and the log."""
     reason = can_pack_linears(dtype, device)
-    dense = f"oneDNN packed ({pack_linears(model)} linear layers)" if reason is None else f"plain: {reason}"
+    if reason is not None:
+        dense = f"plain: {reason}"
+    else:
+        packed, exact_count = pack_linears(model, exact)
+        dense = f"oneDNN packed ({packed} linear layers)"
+        if exact_count:
+            dense = f"exact AMX kernel ({exact_count} linear layers)" + (f", {dense}" if packed else "")
     log.info("dense path: %s", dense)
     return dense

@@ -60,12 +60,13 @@ class ModelStep:
         packed = batch and _takes_packed_step(lm)
         has_stack = packed and DecoderStack.unfit(lm.model) is None
         why_not = _why_not_compiled(lm, has_stack, batch_invariant) if compile else "off"
+        exact_cpu = batch_invariant and packed and lm.device.type == "cpu"
+        if exact_cpu:
+            exact_kernel.ensure_built()  # once per process (and once per machine: kept on disk)
         if why_not is not None:  # the eager dense path (before the stack: it calls the layers it finds)
-            _pack(lm)
+            _pack(lm, exact=exact_cpu and exact_kernel.amx_linear_ready())
             if batch_invariant:
                 _make_rows_invariant(lm, max_rows)
-        if batch_invariant and packed and lm.device.type == "cpu":
-            exact_kernel.ensure_built()  # once per process (and once per machine: kept on disk)
         stack = _decoder_stack(lm) if packed else None
         if (
             stack is not None
@@ -110,7 +111,7 @@ class ModelStep:
             log.warning(
                 "model %s: the packed step runs eagerly: torch.compile failed: %s", self.lm.name, reason
             )
-            _pack(self.lm)
+            _pack(self.lm, exact=False)  # not batch_invariant: compiled steps are not
             self.stack = _decoder_stack(self.lm)  # the packed layers; the worker takes it at its next step
             self.compile_status = f"eager (compile failed: {reason})"
         else:
@@ -180,11 +181,12 @@ def _each_step_kind(lm: LoadedModel, run: Callable[[list[Work]], object]) -> Non
         b.pool.close()
 
 
-def _pack(lm: LoadedModel) -> None:
-    """The eager dense path: linear weights packed for oneDNN once per model (idempotent), on a thread
-    that ends with it (loader.on_passing_thread says why)."""
+def _pack(lm: LoadedModel, exact: bool) -> None:
+    """The eager dense path: linear weights packed once per model (idempotent: the first runner's choice
+    stays), for exact_linear.cpp's kernel where `exact`, else for oneDNN, on a thread that ends with it
+    (loader.on_passing_thread says why)."""
     if lm.dense is None:
-        lm.dense = on_passing_thread(pack_dense, lm.model, lm.dtype, lm.device)
+        lm.dense = on_passing_thread(pack_dense, lm.model, lm.dtype, lm.device, exact)
 
 
 def _takes_packed_step(lm: LoadedModel) -> bool:

@@ -196,6 +196,31 @@ def test_a_linear_layer_that_changes_kernel_past_32_rows_gets_at_most_32_rows_pe
         assert calls[3:] == [1, 1, 1, 1]
 
 
+def test_the_amx_linear_kernel_computes_every_row_as_alone_with_a_weight_read_once_per_call(kernel):
+    """exact_linear.cpp (bfloat16 on a CPU with AMX): each row of a call of any size equals the row
+    alone, bit for bit, bias included; the result is the product to bfloat16 rounding."""
+    if not kernel.amx_linear_ready():
+        pytest.skip("this CPU has no AMX with bfloat16 (or the kernel is not built): oneDNN's products serve")
+    from local_runner.dense import ExactLinear
+
+    g = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(96, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(64, 96, generator=g) * 0.1)
+        linear.bias.copy_(torch.randn(64, generator=g))
+    exact = ExactLinear(linear)
+    x = torch.randn(300, 96, generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([exact(x[r : r + 1]) for r in range(300)])
+        for rows in (2, 15, 16, 17, 31, 32, 33, 100, 300):
+            assert torch.equal(exact(x[:rows]), alone[:rows]), rows
+        assert torch.equal(exact(x[:40].view(4, 10, 96)), alone[:40].view(4, 10, 64))
+        reference = x.double() @ linear.weight.double().t() + linear.bias.double()
+        torch.testing.assert_close(alone.double(), reference, rtol=1e-2, atol=1e-2)
+        with pytest.raises(RuntimeError, match="multiples of 32"):
+            torch.ops.attnstore.amx_pack(torch.zeros(40, 96, dtype=torch.bfloat16))
+
+
 def torch_elementwise(x, delta, weight, qkv, cos, sin, rotated_heads, gate_up):
     """decoder.py's torch operations for the same work: (x + delta, its norm, q/k rotated, SiLU * up)."""
     import torch.nn.functional as F
