@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "exact_amx.h"
+#include "exact_lanes.h"
 
 namespace {
 
@@ -60,31 +61,6 @@ inline float sum8(v8f x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5
 
 inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 
-// exp(x) for x <= 0 (scores minus their max), exactly 0 below -87 (and for -inf): Cody-Waite reduction
-// and Cephes' degree-6 polynomial (rel. error ~2e-7). The same operations for every lane, so an
-// element's value never depends on its neighbours (and 8 or 16 lanes give the same bits).
-template <typename VF, typename VI>
-inline VF exp_lanes(VF x) {
-  const VF zero = VF{};
-  auto c = [&](float value) { return zero + value; };
-  const VI tiny = x < c(-87.0f);
-  const VF v = tiny ? c(-87.0f) : x;
-  const VF magic = c(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const VF n = (v * c(1.44269504088896341f) + magic) - magic;
-  VF r = v - n * c(0.693359375f);
-  r = r - n * c(-2.12194440e-4f);
-  VF p = c(1.9875691500e-4f);
-  p = p * r + c(1.3981999507e-3f);
-  p = p * r + c(8.3334519073e-3f);
-  p = p * r + c(4.1665795894e-2f);
-  p = p * r + c(1.6666665459e-1f);
-  p = p * r + c(5.0000001201e-1f);
-  p = p * (r * r) + r + c(1.0f);
-  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
-  VF scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return tiny ? zero : p * scale;
-}
 inline v8f exp8(v8f x) { return exp_lanes<v8f, v8i>(x); }
 
 // The lanes' sums of eight vectors at once, each in sum8's tree: out[r] == sum8(x[r]) bit for bit.
@@ -345,6 +321,11 @@ void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFl
     alignas(64) uint16_t tail[16 * dim];           // a last block of fewer than 16 keys, zero-padded
     alignas(64) uint16_t pairs[4][16][32];         // 32 keys' values, key pairs interleaved, 16 dims a tile
     alignas(64) float result[kTileRows * 16];
+    alignas(64) uint32_t interleaved[16][kTileRows];  // 32 keys' weights, [key pair][row]
+    // the words of two keys' rows (16 each) as pairs row by row; the pairs of one row 16 words apart
+    const __m512i pair_rows = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i row_stride = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
     std::vector<float> scores;     // [key][row]
     std::vector<uint16_t> by_key, weights;  // bfloat16 weights [key][row], [row][key]
     for (int64_t item = begin; item < end; ++item) {
@@ -392,7 +373,8 @@ void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFl
         top = s > top ? s : top;
       }
       const int64_t span = (longest + 31) / 32 * 32;
-      by_key.assign(span * kTileRows, 0);
+      by_key.resize(span * kTileRows);
+      std::fill(by_key.begin() + longest * kTileRows, by_key.end(), 0);
       v16f total{};
       for (int64_t j = 0; j < longest; ++j) {
         v16f s;
@@ -402,13 +384,18 @@ void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFl
         const v16u16 narrow = bf16_lanes(e);
         std::memcpy(by_key.data() + j * kTileRows, &narrow, sizeof(narrow));
       }
-      // [key][row] to [row][key]: two keys' weights (a pair, as the product reads them) per move
+      // [key][row] to [row][key], 32 keys at a time: each pair of keys' rows interleaved (a row's two
+      // weights side by side, as the product reads them), then each row's 16 pairs gathered. A padding
+      // row's weights are left as they are: its results are dropped, and no row reads another's.
       weights.resize(kTileRows * span);
-      auto* weight_pairs = reinterpret_cast<uint32_t*>(weights.data());
-      for (int64_t r = 0; r < kTileRows; ++r)
-        for (int64_t i = 0; i < span / 2; ++i)
-          weight_pairs[r * (span / 2) + i] =
-              by_key[2 * i * kTileRows + r] | static_cast<uint32_t>(by_key[(2 * i + 1) * kTileRows + r]) << 16;
+      for (int64_t k0 = 0; k0 < span; k0 += 32) {
+        for (int64_t i = 0; i < 16; ++i)
+          _mm512_store_si512(interleaved[i],
+                             _mm512_permutexvar_epi16(pair_rows, _mm512_loadu_si512(by_key.data() + (k0 + 2 * i) * kTileRows)));
+        for (int64_t r = 0; r < rows; ++r)
+          _mm512_storeu_si512(weights.data() + r * span + k0,
+                              _mm512_i32gather_epi32(row_stride, &interleaved[0][r], sizeof(uint32_t)));
+      }
       // out = weights V, 32 keys per step, up to 64 dims (4 tiles) per pass
       const __m512i interleave_low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);

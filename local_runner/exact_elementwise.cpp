@@ -18,6 +18,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "exact_lanes.h"
+
 namespace {
 
 constexpr int64_t kLanes = 8;
@@ -75,31 +77,54 @@ inline v8f round8(v8f x) {
   }
 }
 
+#if defined(__AVX512F__)
+// 16 lanes of float32 or bfloat16 (SiLU's loop, where the vector's width is most of its time)
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+
+inline v16f load16(const float* p) {
+  v16f x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline v16f load16(const at::BFloat16* p) {
+  v16u16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  v16i bits = __builtin_convertvector(raw, v16i) << 16;
+  v16f x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+inline void store16(float* p, v16f x) { std::memcpy(p, &x, sizeof(x)); }
+inline void store16(at::BFloat16* p, v16f x) {  // store8's rounding, 16 lanes
+  v16u bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const v16u rounded = (bits + ((bits >> 16) & 1) + 0x7fff) >> 16;
+  const v16u quiet = (bits >> 16) | 0x40;
+  const v16u out = (x != x) ? quiet : rounded;
+  const v16u16 narrow = __builtin_convertvector(out, v16u16);
+  std::memcpy(p, &narrow, sizeof(narrow));
+}
+template <typename T>
+inline v16f round16(v16f x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    T tmp[16];
+    store16(tmp, x);
+    return load16(tmp);
+  }
+}
+#endif
+
 template <typename T>
 inline float load1(const T* p) { return static_cast<float>(*p); }
 template <typename T>
 inline float round1(float x) { return static_cast<float>(static_cast<T>(x)); }
 
-// exp(x) for x <= 0, 0 below -87: exact_attention.cpp's polynomial (the same operations for every lane).
-inline v8f exp8(v8f x) {
-  const v8i tiny = x < splat(-87.0f);
-  const v8f v = tiny ? splat(-87.0f) : x;
-  const v8f magic = splat(12582912.0f);
-  const v8f n = (v * splat(1.44269504088896341f) + magic) - magic;
-  v8f r = v - n * splat(0.693359375f);
-  r = r - n * splat(-2.12194440e-4f);
-  v8f p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * (r * r) + r + splat(1.0f);
-  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8f scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return tiny ? splat(0.0f) : p * scale;
-}
+inline v8f exp8(v8f x) { return exp_lanes<v8f, v8i>(x); }
 
 // Rows per thread's share: a step's few decoding rows run inline (a parallel region costs more).
 inline int64_t grain(int64_t width) { return width >= 16384 ? 1 : 16384 / width; }
@@ -169,7 +194,19 @@ void silu_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
       const T* gate = gate_up + row * 2 * width;
       const T* up = gate + width;
       T* dst = out + row * width;
-      for (int64_t i = 0; i < body; i += kLanes) {
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      if constexpr (!std::is_same_v<T, at::Half>)  // the same operations 16 lanes at a time
+        for (; i + 16 <= body; i += 16) {
+          const v16f g = load16(gate + i);
+          const v16i negative = g < v16f{};
+          const v16f e = exp_lanes<v16f, v16i>(negative ? g : -g);
+          const v16f one = v16f{} + 1.0f;
+          const v16f sigmoid = (negative ? e : one) / (one + e);
+          store16(dst + i, round16<T>(g * sigmoid) * load16(up + i));
+        }
+#endif
+      for (; i < body; i += kLanes) {
         const v8f g = load8(gate + i);
         const v8i negative = g < splat(0.0f);
         const v8f e = exp8(negative ? g : -g);
