@@ -48,8 +48,10 @@ class Adoption:
         deletes: list[str] = []
         with core.lock:
             entry = core.index.get(meta.key)
-            stored = core.backing.read(meta.key) is not None or core.backing.in_flight(meta.key) is not None
-            if entry is not None and stored:
+            saving = core.backing.in_flight(meta.key) is not None
+            if entry is None and saving:
+                return deletes  # our own save of a chunk forgotten meanwhile: its file is about to go
+            if entry is not None and (saving or core.backing.read(meta.key) is not None):
                 return deletes
             if entry is None:
                 entry = Entry(meta.chunk, core.nbytes(meta.n_tokens))

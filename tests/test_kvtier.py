@@ -80,6 +80,20 @@ class GatedFileTier(FileTier):
         return super().write(items)
 
 
+class HeldAfterWriteTier(FileTier):
+    """L2 whose writes, once their files are on disk, wait for `gate` after saying so (`written`): a
+    test holds a save between its file and its bookkeeping."""
+
+    gate: threading.Event
+    written: threading.Event
+
+    def write(self, items: Sequence[tuple[ChunkId, ChunkKV]]) -> list[ChunkMeta | OSError]:
+        done = super().write(items)
+        self.written.set()
+        self.gate.wait()
+        return done
+
+
 def toks(n: int, base: int = 0) -> list[int]:
     return [base + i for i in range(n)]
 
@@ -432,6 +446,24 @@ def test_bounded_save_queue_applies_back_pressure(tmp_path):
     t.join()
     s.flush()
     assert s.stats().saves_pending == 0 and len(files(tmp_path)) == 4
+    s.close()
+
+
+def test_a_session_forgotten_while_its_save_is_written_stays_forgotten(tmp_path):
+    """DELETE right after a turn: its file lands on disk after the forget; a lookup in between must not
+    adopt it as another replica's, and the save deletes it."""
+    gate, written = threading.Event(), threading.Event()
+    held = own(HeldAfterWriteTier, gate=gate, written=written)
+    s = make(tmp_path, async_save=True, save_workers=1, tiers={"l2": held})
+    try:
+        s.put("t", toks(8), kv(8), session="s1")
+        assert written.wait(10) and len(files(tmp_path)) == 1  # the first chunk of two
+        assert s.forget_session("t", "s1") == 2
+        assert s.lookup("t", toks(8)).tokens == 0
+    finally:
+        gate.set()
+    s.flush()
+    assert s.lookup("t", toks(8)).tokens == 0 and files(tmp_path) == []
     s.close()
 
 
