@@ -10,12 +10,10 @@
 #include <unistd.h>
 
 #include <cstdint>
-#include <cstring>
+
+#include "exact_lanes.h"
 
 namespace exact_amx {
-
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 
 constexpr int64_t kTileRows = 16;  // AMX: 16 rows of 64 bytes per tile
 
@@ -41,16 +39,6 @@ inline void configure_tiles() {
     config.rows[t] = kTileRows;
   }
   _tile_loadconfig(&config);
-}
-
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-
-// Sixteen lanes' bfloat16 bits, rounded to nearest even (torch's conversion; no NaN arises here).
-inline v16u16 bf16_lanes(v16f x) {
-  v16u bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return __builtin_convertvector((bits + ((bits >> 16) & 1) + 0x7fff) >> 16, v16u16);
 }
 
 }  // namespace exact_amx

@@ -32,36 +32,12 @@
 namespace {
 
 constexpr int64_t kLanes = 8;
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
 
 // Eight consecutive stored values as float32 lanes.
-inline v8f load8(const float* p) {
-  v8f x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
+template <typename T>
+inline v8f load8(const T* p) {
+  return load_lanes<v8f>(p);
 }
-inline v8f load8(const at::BFloat16* p) {  // bfloat16 is float32's upper half
-  v8u16 raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  v8i bits = __builtin_convertvector(raw, v8i) << 16;
-  v8f x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
-inline v8f load8(const at::Half* p) {
-  v8f x;
-  for (int l = 0; l < kLanes; ++l) x[l] = static_cast<float>(p[l]);
-  return x;
-}
-
-// The lanes' sum in one fixed tree.
-inline float sum8(v8f x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
-
-inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
-
-inline v8f exp8(v8f x) { return exp_lanes<v8f, v8i>(x); }
 
 // The lanes' sums of eight vectors at once, each in sum8's tree: out[r] == sum8(x[r]) bit for bit.
 inline v8f sum8x8(const v8f* x) {
@@ -228,7 +204,7 @@ void attend_rows(const T* q, const T* k, const T* v, const int64_t* slots, const
         for (int64_t j = 1; j < length; ++j) top = line[j] > top ? line[j] : top;
         v8f sums = splat(0.0f);
         for (int64_t j = 0; j < padded; j += kLanes) {
-          const v8f e = exp8(load8(line + j) - splat(top));
+          const v8f e = exp_lanes(load8(line + j) - splat(top));
           std::memcpy(line + j, &e, sizeof(e));
           sums += e;
         }
@@ -379,9 +355,9 @@ void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFl
       for (int64_t j = 0; j < longest; ++j) {
         v16f s;
         std::memcpy(&s, scores.data() + j * kTileRows, sizeof(s));
-        const v16f e = exp_lanes<v16f, v16i>(s - top);
+        const v16f e = exp_lanes(s - top);
         total += e;
-        const v16u16 narrow = bf16_lanes(e);
+        const v16u16 narrow = bf16_bits(e);
         std::memcpy(by_key.data() + j * kTileRows, &narrow, sizeof(narrow));
       }
       // [key][row] to [row][key], 32 keys at a time: each pair of keys' rows interleaved (a row's two

@@ -23,108 +23,16 @@
 namespace {
 
 constexpr int64_t kLanes = 8;
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
 
-inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
-inline float sum8(v8f x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
-
-inline v8f load8(const float* p) {
-  v8f x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-inline v8f load8(const at::BFloat16* p) {
-  v8u16 raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  v8i bits = __builtin_convertvector(raw, v8i) << 16;
-  v8f x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
-inline v8f load8(const at::Half* p) {
-  v8f x;
-  for (int l = 0; l < kLanes; ++l) x[l] = static_cast<float>(p[l]);
-  return x;
-}
-
-// Eight float32 lanes stored in the storage type, rounded to nearest even (torch's conversions).
-inline void store8(float* p, v8f x) { std::memcpy(p, &x, sizeof(x)); }
-inline void store8(at::BFloat16* p, v8f x) {
-  v8u bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const v8u rounded = (bits + ((bits >> 16) & 1) + 0x7fff) >> 16;
-  const v8u quiet = (bits >> 16) | 0x40;  // NaN stays NaN (rounding could carry it into infinity)
-  const v8u out = (x != x) ? quiet : rounded;
-  const v8u16 narrow = __builtin_convertvector(out, v8u16);
-  std::memcpy(p, &narrow, sizeof(narrow));
-}
-inline void store8(at::Half* p, v8f x) {
-  for (int l = 0; l < kLanes; ++l) p[l] = static_cast<at::Half>(x[l]);
-}
-
-// A float32 value rounded to the storage type and back: torch's result of an operation in that type.
 template <typename T>
-inline v8f round8(v8f x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    T tmp[kLanes];
-    store8(tmp, x);
-    return load8(tmp);
-  }
+inline v8f load8(const T* p) {
+  return load_lanes<v8f>(p);
 }
-
-#if defined(__AVX512F__)
-// 16 lanes of float32 or bfloat16 (SiLU's loop, where the vector's width is most of its time)
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-
-inline v16f load16(const float* p) {
-  v16f x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-inline v16f load16(const at::BFloat16* p) {
-  v16u16 raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  v16i bits = __builtin_convertvector(raw, v16i) << 16;
-  v16f x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
-inline void store16(float* p, v16f x) { std::memcpy(p, &x, sizeof(x)); }
-inline void store16(at::BFloat16* p, v16f x) {  // store8's rounding, 16 lanes
-  v16u bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const v16u rounded = (bits + ((bits >> 16) & 1) + 0x7fff) >> 16;
-  const v16u quiet = (bits >> 16) | 0x40;
-  const v16u out = (x != x) ? quiet : rounded;
-  const v16u16 narrow = __builtin_convertvector(out, v16u16);
-  std::memcpy(p, &narrow, sizeof(narrow));
-}
-template <typename T>
-inline v16f round16(v16f x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    T tmp[16];
-    store16(tmp, x);
-    return load16(tmp);
-  }
-}
-#endif
 
 template <typename T>
 inline float load1(const T* p) { return static_cast<float>(*p); }
 template <typename T>
 inline float round1(float x) { return static_cast<float>(static_cast<T>(x)); }
-
-inline v8f exp8(v8f x) { return exp_lanes<v8f, v8i>(x); }
 
 // Rows per thread's share: a step's few decoding rows run inline (a parallel region costs more).
 inline int64_t grain(int64_t width) { return width >= 16384 ? 1 : 16384 / width; }
@@ -139,7 +47,7 @@ void norm_rows(T* x, const T* delta, const T* weight, T* out, int64_t rows, int6
       T* line = x + row * width;
       if (delta != nullptr) {
         const T* add = delta + row * width;
-        for (int64_t i = 0; i < body; i += kLanes) store8(line + i, load8(line + i) + load8(add + i));
+        for (int64_t i = 0; i < body; i += kLanes) store_lanes(line + i, load8(line + i) + load8(add + i));
         for (int64_t i = body; i < width; ++i) line[i] = static_cast<T>(load1(line + i) + load1(add + i));
       }
       v8f lanes = splat(0.0f);
@@ -152,7 +60,7 @@ void norm_rows(T* x, const T* delta, const T* weight, T* out, int64_t rows, int6
       const float inv = 1.0f / std::sqrt(sum / static_cast<float>(width) + eps);
       T* dst = out + row * width;
       for (int64_t i = 0; i < body; i += kLanes)
-        store8(dst + i, load8(weight + i) * round8<T>(load8(line + i) * splat(inv)));
+        store_lanes(dst + i, load8(weight + i) * round_lanes<T>(load8(line + i) * splat(inv)));
       for (int64_t i = body; i < width; ++i)
         dst[i] = static_cast<T>(load1(weight + i) * round1<T>(load1(line + i) * inv));
     }
@@ -173,14 +81,25 @@ void rotate_rows(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads
         T* head = x + t * stride + h * dim;
         for (int64_t i = 0; i < half; i += kLanes) {
           const v8f lo = load8(head + i), hi = load8(head + half + i);
-          const v8f new_lo = round8<T>(lo * load8(c + i)) + round8<T>(-hi * load8(s + i));
-          const v8f new_hi = round8<T>(hi * load8(c + half + i)) + round8<T>(lo * load8(s + half + i));
-          store8(head + i, new_lo);
-          store8(head + half + i, new_hi);
+          const v8f new_lo = round_lanes<T>(lo * load8(c + i)) + round_lanes<T>(-hi * load8(s + i));
+          const v8f new_hi = round_lanes<T>(hi * load8(c + half + i)) + round_lanes<T>(lo * load8(s + half + i));
+          store_lanes(head + i, new_lo);
+          store_lanes(head + half + i, new_hi);
         }
       }
     }
   });
+}
+
+// One block of silu_rows' lanes (8 or 16, the same operations): round(g * sigmoid(g)) * up.
+template <typename VF, typename T>
+inline void silu_lanes(const T* gate, const T* up, T* dst) {
+  const VF g = load_lanes<VF>(gate);
+  const auto negative = g < VF{};
+  const VF e = exp_lanes(negative ? g : -g);
+  const VF one = VF{} + 1.0f;
+  const VF sigmoid = (negative ? e : one) / (one + e);
+  store_lanes(dst, round_lanes<T>(g * sigmoid) * load_lanes<VF>(up));
 }
 
 // out = round(silu(gate)) * up per row of gate_up [rows, 2 * width] (gate first): torch's F.silu then
@@ -196,23 +115,10 @@ void silu_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
       T* dst = out + row * width;
       int64_t i = 0;
 #if defined(__AVX512F__)
-      if constexpr (!std::is_same_v<T, at::Half>)  // the same operations 16 lanes at a time
-        for (; i + 16 <= body; i += 16) {
-          const v16f g = load16(gate + i);
-          const v16i negative = g < v16f{};
-          const v16f e = exp_lanes<v16f, v16i>(negative ? g : -g);
-          const v16f one = v16f{} + 1.0f;
-          const v16f sigmoid = (negative ? e : one) / (one + e);
-          store16(dst + i, round16<T>(g * sigmoid) * load16(up + i));
-        }
+      if constexpr (!std::is_same_v<T, at::Half>)  // 16 lanes at a time where the vector is that wide
+        for (; i + 16 <= body; i += 16) silu_lanes<v16f>(gate + i, up + i, dst + i);
 #endif
-      for (; i < body; i += kLanes) {
-        const v8f g = load8(gate + i);
-        const v8i negative = g < splat(0.0f);
-        const v8f e = exp8(negative ? g : -g);
-        const v8f sigmoid = (negative ? e : splat(1.0f)) / (splat(1.0f) + e);
-        store8(dst + i, round8<T>(g * sigmoid) * load8(up + i));
-      }
+      for (; i < body; i += kLanes) silu_lanes<v8f>(gate + i, up + i, dst + i);
       for (int64_t i = body; i < width; ++i) {
         const float g = load1(gate + i);
         const float e = std::exp(-std::fabs(g));

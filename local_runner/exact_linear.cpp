@@ -52,7 +52,7 @@ void write_rows(const float (*acc)[16 * 16], int64_t count, const float* bias, i
         std::memcpy(&b, bias + column + 16 * t, sizeof(b));
         lanes += b;
       }
-      const v16u16 narrow = bf16_lanes(lanes);
+      const v16u16 narrow = bf16_bits(lanes);
       std::memcpy(y + r * n_out + column + 16 * t, &narrow, sizeof(narrow));
     }
 }
