@@ -26,8 +26,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "exact_amx.h"
 #include "exact_lanes.h"
+#include "exact_tiles.h"
 
 namespace {
 
@@ -229,12 +229,13 @@ void attend_rows(const T* q, const T* k, const T* v, const int64_t* slots, const
   });
 }
 
-#if EXACT_AMX
-// bfloat16 on a CPU with AMX (built with -march=native on such a CPU): the same contract, on the tile
-// unit. Per work item (up to 16 query rows of one slot and K/V head: a decoding token's heads, or a few
-// consecutive prompt tokens'):
+#if EXACT_TILES
+// bfloat16 on a CPU with AMX or AVX-512 BF16 (built with -march=native on such a CPU): the same
+// contract, on the tile unit (exact_tiles.h: AMX's tiles, or their step in VDPBF16PS instructions). Per
+// work item (up to 16 query rows of one slot and K/V head: a decoding token's heads, or a few consecutive
+// prompt tokens'):
 //   scores^T = K Q^T   16 keys at a time, K's rows loaded as they are stored, Q^T once per item;
-//                      each score a dot over head_dim in AMX's order, 32 dims per instruction, in order
+//                      each score a dot over head_dim in the tile step's order, 32 dims a step, in order
 //   weights  = exp(scores * scale - max)   the 16 rows as 16 lanes, keys in order; past a row's own
 //                      keys -inf, whose weight is exactly 0; the sum in key order, one lane per row
 //   out      = (weights in bfloat16) V / sum   32 keys at a time from key 0, V's key pairs interleaved
@@ -244,37 +245,38 @@ void attend_rows(const T* q, const T* k, const T* v, const int64_t* slots, const
 // second product (as torch's flash attention does in bfloat16). Measured against the 8-lane loop on a
 // 2-core Xeon with AMX (2026-12-03): a 512-token chunk after 1,536 tokens 6.2 ms against 24 ms (torch's
 // flash attention 6-8 ms), 16 decoding tokens at 1,000 tokens 0.75 ms against 0.95.
-using namespace exact_amx;
+constexpr int64_t kTileRows = 16;  // query rows per work item: the tile's rows
 
-// out tiles 0..n-1 (n <= 4, 16 dims each) += A (tile 4) x the interleaved values in `pairs`.
-inline void weigh_tiles(const uint16_t* pairs, int n) {
-  _tile_loadd(5, pairs, 64);
-  _tile_dpbf16ps(0, 4, 5);
+// out tiles 0..n-1 (n <= 4, 16 dims each) += A (tile 4: the first `rows` rows matter) x the interleaved
+// values in `pairs`.
+inline void weigh_tiles([[maybe_unused]] TileUnit& unit, const uint16_t* pairs, int n, [[maybe_unused]] int64_t rows) {
+  EXACT_TILE_LOAD(unit, 5, pairs, 64);
+  EXACT_TILE_DOT(unit, 0, 4, 5, rows);
   if (n > 1) {
-    _tile_loadd(5, pairs + 512, 64);
-    _tile_dpbf16ps(1, 4, 5);
+    EXACT_TILE_LOAD(unit, 5, pairs + 512, 64);
+    EXACT_TILE_DOT(unit, 1, 4, 5, rows);
   }
   if (n > 2) {
-    _tile_loadd(5, pairs + 1024, 64);
-    _tile_dpbf16ps(2, 4, 5);
+    EXACT_TILE_LOAD(unit, 5, pairs + 1024, 64);
+    EXACT_TILE_DOT(unit, 2, 4, 5, rows);
   }
   if (n > 3) {
-    _tile_loadd(5, pairs + 1536, 64);
-    _tile_dpbf16ps(3, 4, 5);
+    EXACT_TILE_LOAD(unit, 5, pairs + 1536, 64);
+    EXACT_TILE_DOT(unit, 3, 4, 5, rows);
   }
 }
 
-inline void store_tile(int t, float* dst) {
+inline void store_tile([[maybe_unused]] TileUnit& unit, int t, float* dst) {
   switch (t) {
-    case 0: _tile_stored(0, dst, 64); break;
-    case 1: _tile_stored(1, dst, 64); break;
-    case 2: _tile_stored(2, dst, 64); break;
-    default: _tile_stored(3, dst, 64); break;
+    case 0: EXACT_TILE_STORE(unit, 0, dst, 64); break;
+    case 1: EXACT_TILE_STORE(unit, 1, dst, 64); break;
+    case 2: EXACT_TILE_STORE(unit, 2, dst, 64); break;
+    default: EXACT_TILE_STORE(unit, 3, dst, 64); break;
   }
 }
 
 template <int C>
-void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v, const int64_t* slots,
+void attend_rows_tiles(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v, const int64_t* slots,
                      const int64_t* lengths, at::BFloat16* out, int64_t tokens, int64_t heads, int64_t kv_heads,
                      int64_t capacity, float scale) {
   constexpr int64_t dim = C * kLanes, chunks = dim / 32;
@@ -292,7 +294,7 @@ void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFl
   const auto* vbits = reinterpret_cast<const uint16_t*>(v);
   const auto* qbits = reinterpret_cast<const uint16_t*>(q);
   at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    [[maybe_unused]] TileUnit unit;
     alignas(64) uint16_t query_t[chunks][16][32];  // Q^T, dims in pairs: [dim / 2][row][2]
     alignas(64) uint16_t tail[16 * dim];           // a last block of fewer than 16 keys, zero-padded
     alignas(64) uint16_t pairs[4][16][32];         // 32 keys' values, key pairs interleaved, 16 dims a tile
@@ -330,13 +332,13 @@ void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFl
           std::memcpy(tail, block, (longest - b * 16) * dim * sizeof(uint16_t));
           block = tail;
         }
-        _tile_zero(0);
+        EXACT_TILE_ZERO(unit, 0);
         for (int64_t c = 0; c < chunks; ++c) {
-          _tile_loadd(4, block + c * 32, dim * sizeof(uint16_t));
-          _tile_loadd(5, query_t[c], 64);
-          _tile_dpbf16ps(0, 4, 5);
+          EXACT_TILE_LOAD(unit, 4, block + c * 32, dim * sizeof(uint16_t));
+          EXACT_TILE_LOAD(unit, 5, query_t[c], 64);
+          EXACT_TILE_DOT(unit, 0, 4, 5, 16);
         }
-        _tile_stored(0, scores.data() + b * 16 * kTileRows, 64);
+        EXACT_TILE_STORE(unit, 0, scores.data() + b * 16 * kTileRows, 64);
       }
       // the 16 rows' softmax as 16 lanes
       const v16f none = v16f{} - std::numeric_limits<float>::infinity();
@@ -378,10 +380,10 @@ void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFl
       const __m512i interleave_high = _mm512_add_epi16(interleave_low, _mm512_set1_epi16(16));
       for (int64_t d0 = 0; d0 < dim; d0 += 64) {
         const int tiles = static_cast<int>((dim - d0 < 64 ? dim - d0 : 64) / 16);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        EXACT_TILE_ZERO(unit, 0);
+        EXACT_TILE_ZERO(unit, 1);
+        EXACT_TILE_ZERO(unit, 2);
+        EXACT_TILE_ZERO(unit, 3);
         for (int64_t k0 = 0; k0 < span; k0 += 32) {
           for (int64_t i = 0; i < 16; ++i) {
             const int64_t j = k0 + 2 * i;
@@ -393,11 +395,11 @@ void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFl
               _mm512_store_si512(pairs[2 * h + 1][i], _mm512_permutex2var_epi16(a, interleave_high, b));
             }
           }
-          _tile_loadd(4, weights.data() + k0, span * sizeof(uint16_t));
-          weigh_tiles(&pairs[0][0][0], tiles);
+          EXACT_TILE_LOAD(unit, 4, weights.data() + k0, span * sizeof(uint16_t));
+          weigh_tiles(unit, &pairs[0][0][0], tiles, rows);
         }
         for (int t = 0; t < tiles; ++t) {
-          store_tile(t, result);
+          store_tile(unit, t, result);
           for (int64_t r = 0; r < rows; ++r) {
             const float inv = 1.0f / total[r];
             at::BFloat16* dst = out + ((t0 + r / group) * heads + kvh * group + r % group) * dim + d0 + t * 16;
@@ -406,18 +408,17 @@ void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFl
         }
       }
     }
-    _tile_release();
   });
 }
 
-// Whether attend_rows_amx serves this call's shape here.
-bool amx_serves(int64_t dim, int64_t heads, int64_t kv_heads) {
-  return dim % 32 == 0 && heads / kv_heads <= kTileRows && amx_permitted();
+// Whether attend_rows_tiles serves this call's shape here.
+bool tiles_serve(int64_t dim, int64_t heads, int64_t kv_heads) {
+  return dim % 32 == 0 && heads / kv_heads <= kTileRows && TileUnit::permitted();
 }
 #else
-bool amx_serves(int64_t, int64_t, int64_t) { return false; }
+bool tiles_serve(int64_t, int64_t, int64_t) { return false; }
 template <int C>
-void attend_rows_amx(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*, const int64_t*,
+void attend_rows_tiles(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*, const int64_t*,
                      at::BFloat16*, int64_t, int64_t, int64_t, int64_t, float) {}
 #endif
 
@@ -442,8 +443,8 @@ at::Tensor exact_attend(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::
     using scalar_t = typename decltype(type)::type;
     auto run = [&](auto chunks) {
       if constexpr (std::is_same_v<scalar_t, at::BFloat16> && decltype(chunks)::value % 4 == 0) {
-        if (amx_serves(dim, heads, kv_heads)) {
-          attend_rows_amx<decltype(chunks)::value>(
+        if (tiles_serve(dim, heads, kv_heads)) {
+          attend_rows_tiles<decltype(chunks)::value>(
               qc.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
               sc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), tokens, heads, kv_heads,
               capacity, static_cast<float>(scale));

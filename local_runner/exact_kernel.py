@@ -31,7 +31,8 @@ import torch
 log = logging.getLogger("attnstore.runner")
 
 # exact_attention.cpp: the attention operator; exact_elementwise.cpp: the step's norms, rotary and SiLU;
-# exact_linear.cpp: bfloat16 linear layers on AMX (exact_amx.h: what it shares with the attention's).
+# exact_linear.cpp: bfloat16 linear layers on AMX (exact_amx.h: what it shares with the attention's;
+# exact_tiles.h: the attention's tile step on AMX or AVX-512 BF16).
 _SOURCES = [
     Path(__file__).with_name(name)
     for name in ("exact_attention.cpp", "exact_elementwise.cpp", "exact_linear.cpp")
