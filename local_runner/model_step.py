@@ -264,12 +264,18 @@ def _read_rows(path: Path) -> dict[str, str]:
 
 
 def _write_rows(path: Path, measured: dict[str, str]) -> None:
-    """Write atomically (a crash leaves the old file or none); a failure costs the next start 15 s."""
+    """Write atomically (a crash leaves the old file or none); a failure costs the next start 15 s.
+    The files of the same dtype, threads and rows under older digests (another dense.py, other ISA
+    caps) go: at worst a start under those caps measures again."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
         temporary.write_text(json.dumps(measured, sort_keys=True))
         os.replace(temporary, path)
+        stem = path.name.rsplit("-", 1)[0]
+        for stale in path.parent.glob(f"{stem}-*.json"):
+            if stale != path:
+                stale.unlink(missing_ok=True)
     except OSError as exc:
         log.warning("could not keep the rows measured in %s: %s", path, exc)
 

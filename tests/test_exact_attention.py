@@ -339,7 +339,13 @@ def test_the_rows_measured_are_kept_per_machine_and_a_corrupt_file_is_measured_a
         return len(calls)
 
     path = model_step.rows_file(torch.float32, 40)
+    path.parent.mkdir(parents=True)
+    stale = path.with_name(path.name.rsplit("-", 1)[0] + "-0ldd1ges.json")  # an older dense.py's
+    other = path.with_name(path.name.replace("-40-", "-41-"))  # another measurement, still valid
+    stale.write_text("{}")
+    other.write_text("{}")
     assert start() > 0 and path.parent.parent == tmp_path / "kernels"
+    assert not stale.exists() and other.exists()
     kept = json.loads(path.read_text())
     assert kept["RowCountDependent:64x80:nobias"] == "tiles"
     assert start() == 0  # nothing measured: the kept file says it all
