@@ -52,6 +52,20 @@ inline v8f sum8x8(const v8f* x) {
   return __builtin_shuffle(quad[0], quad[1], low) + __builtin_shuffle(quad[0], quad[1], high);
 }
 
+// The starts of the runs of up to `most` consecutive tokens of one slot (a work item's tokens), then
+// `tokens`: run i is [starts[i], starts[i + 1]).
+std::vector<int64_t> slot_runs(const int64_t* slots, int64_t tokens, int64_t most) {
+  std::vector<int64_t> starts;
+  for (int64_t t = 0; t < tokens;) {
+    int64_t n = 1;
+    while (n < most && t + n < tokens && slots[t + n] == slots[t]) ++n;
+    starts.push_back(t);
+    t += n;
+  }
+  starts.push_back(tokens);
+  return starts;
+}
+
 // Consecutive tokens of one slot are computed together (a prompt chunk's), so each key and value read
 // serves every query row of the tile; a row's arithmetic is the same in a tile of any size.
 constexpr int64_t kTileTokens = 4;
@@ -159,15 +173,7 @@ void attend_rows(const T* q, const T* k, const T* v, const int64_t* slots, const
                  int64_t tokens, int64_t heads, int64_t kv_heads, int64_t capacity, float scale) {
   constexpr int64_t dim = C * kLanes;
   const int64_t group = heads / kv_heads;
-  // tiles: runs of up to kTileTokens consecutive tokens of one slot
-  std::vector<int64_t> tiles;
-  for (int64_t t = 0; t < tokens;) {
-    int64_t n = 1;
-    while (n < kTileTokens && t + n < tokens && slots[t + n] == slots[t]) ++n;
-    tiles.push_back(t);
-    t += n;
-  }
-  tiles.push_back(tokens);
+  const std::vector<int64_t> tiles = slot_runs(slots, tokens, kTileTokens);
   const int64_t count = static_cast<int64_t>(tiles.size()) - 1;
   at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<v8f> query, acc;
@@ -277,18 +283,11 @@ inline void store_tile([[maybe_unused]] TileUnit& unit, int t, float* dst) {
 
 template <int C>
 void attend_rows_tiles(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v, const int64_t* slots,
-                     const int64_t* lengths, at::BFloat16* out, int64_t tokens, int64_t heads, int64_t kv_heads,
-                     int64_t capacity, float scale) {
+                       const int64_t* lengths, at::BFloat16* out, int64_t tokens, int64_t heads, int64_t kv_heads,
+                       int64_t capacity, float scale) {
   constexpr int64_t dim = C * kLanes, chunks = dim / 32;
-  const int64_t group = heads / kv_heads, per_item = kTileRows / group;
-  std::vector<int64_t> items_start;  // runs of up to per_item consecutive tokens of one slot
-  for (int64_t t = 0; t < tokens;) {
-    int64_t n = 1;
-    while (n < per_item && t + n < tokens && slots[t + n] == slots[t]) ++n;
-    items_start.push_back(t);
-    t += n;
-  }
-  items_start.push_back(tokens);
+  const int64_t group = heads / kv_heads;
+  const std::vector<int64_t> items_start = slot_runs(slots, tokens, kTileRows / group);
   const int64_t count = static_cast<int64_t>(items_start.size()) - 1;
   const auto* kbits = reinterpret_cast<const uint16_t*>(k);
   const auto* vbits = reinterpret_cast<const uint16_t*>(v);
@@ -419,7 +418,7 @@ bool tiles_serve(int64_t dim, int64_t heads, int64_t kv_heads) {
 bool tiles_serve(int64_t, int64_t, int64_t) { return false; }
 template <int C>
 void attend_rows_tiles(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*, const int64_t*,
-                     at::BFloat16*, int64_t, int64_t, int64_t, int64_t, float) {}
+                       at::BFloat16*, int64_t, int64_t, int64_t, int64_t, float) {}
 #endif
 
 }  // namespace

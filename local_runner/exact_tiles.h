@@ -11,7 +11,7 @@
 // stringizes it into the instruction): EXACT_TILE_ZERO(unit, 0), EXACT_TILE_LOAD(unit, 4, p, stride),
 // EXACT_TILE_DOT(unit, 0, 4, 5, rows), EXACT_TILE_STORE(unit, 0, p, stride). Tiles 0-3 are accumulators,
 // 4-7 operands; `rows`: how many of A's rows matter (AMX computes all 16 in the same time, VDPBF16PS
-// skips the rest: their results are never read). `stride` in bytes, as AMX takes it.
+// stops at the next multiple of 4: the rows past `rows` are never read). `stride` in bytes, as AMX takes it.
 #pragma once
 
 #include "exact_amx.h"
@@ -27,7 +27,6 @@ class TileUnit {
   TileUnit(const TileUnit&) = delete;
   TileUnit& operator=(const TileUnit&) = delete;
   static bool permitted() { return exact_amx::amx_permitted(); }
-  static constexpr const char* kName = "AMX tiles";
 };
 #define EXACT_TILE_ZERO(unit, t) _tile_zero(t)
 #define EXACT_TILE_LOAD(unit, t, p, stride) _tile_loadd(t, p, stride)
@@ -47,7 +46,6 @@ class TileUnit {
  public:
   static constexpr int64_t kRows = 16;
   static bool permitted() { return true; }
-  static constexpr const char* kName = "AVX-512 BF16";
 
   void zero(int t) { std::memset(acc_[t], 0, sizeof(acc_[t])); }
   void load(int t, const void* p, int64_t stride) {
@@ -57,7 +55,8 @@ class TileUnit {
   void store(int t, float* p, int64_t stride) const {
     for (int64_t m = 0; m < kRows; ++m) std::memcpy(reinterpret_cast<uint8_t*>(p) + m * stride, acc_[t][m], 64);
   }
-  // C[c] += A[a] x B[b] for A's first `rows` rows (the others' sums are left as they were).
+  // C[c] += A[a] x B[b] for A's first `rows` rows, rounded up to a multiple of 4 (the others' sums are
+  // left as they were).
   void dot(int c, int a, int b, int64_t rows) {
     const uint8_t* left = operand_[a - 4];
     const uint8_t* right = operand_[b - 4];
