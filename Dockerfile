@@ -10,6 +10,7 @@ WORKDIR /app
 RUN pip install "${TORCH_SPEC}"
 COPY pyproject.toml README.md ./
 COPY proxy ./proxy
+COPY engine_api ./engine_api
 COPY kvtier ./kvtier
 COPY local_runner ./local_runner
 COPY vllm_engine ./vllm_engine

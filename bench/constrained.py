@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 
+from engine_api.prompt import render_prompt
+from engine_api.sampling import SamplingParams
+from engine_api.turn import Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.compiled import use_cache_dir
 from local_runner.grammars import Grammars
-from local_runner.jobs import Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.loader import load_model
-from local_runner.prompt import render_prompt
 from local_runner.runner import Runner, RunnerConfig
-from local_runner.sampling import Sampler, SamplingParams
+from local_runner.sampling import Sampler
 from proxy.serving.structured import response_format_grammar
 from proxy.serving.tools import ToolCallParser, forced_call_grammar, tool_request
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE

@@ -75,7 +75,7 @@ class _Replay:
         l2_dir: Path | None,
         chunk_tokens: int,
     ):
-        from local_runner.prompt import render_prompt
+        from engine_api.prompt import render_prompt
 
         self.o = options
         self.lm = lm

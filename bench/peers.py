@@ -57,7 +57,7 @@ class ManySessions:
     """Sends the waves, keeps every server's histories, records each turn and each failure."""
 
     def __init__(self, options: BenchOptions, lm: Any, targets: Sequence[Target], convs: list[Conversation]):
-        from local_runner.prompt import render_prompt
+        from engine_api.prompt import render_prompt
 
         self.o = options
         self.lm = lm

@@ -37,13 +37,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine_api.sampling import SamplingParams
+from engine_api.turn import Finished, FirstToken, GenerationRequest, TextDelta
 from kvtier import KVStore, StoreConfig
 from local_runner.job_kv import JobKV
-from local_runner.jobs import Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.kv_cache import job_cache
 from local_runner.loader import LoadedModel, load_model
 from local_runner.runner import Runner, RunnerConfig
-from local_runner.sampling import SamplingParams
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 from .sharegpt import cap_text, default_path, iter_json_array, to_conversation

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from engine_api.sampling import SamplingParams
+from engine_api.turn import Finished, FirstToken, GenerationRequest, TextDelta
 from kvtier import KVStore, StoreConfig
-from local_runner.jobs import Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.loader import LoadedModel, load_model, on_passing_thread
 from local_runner.runner import Runner, RunnerConfig
-from local_runner.sampling import SamplingParams
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 MODEL = DEFAULT_MODEL_NAME

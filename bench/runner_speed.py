@@ -16,10 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from local_runner.jobs import Finished, FirstToken, GenerationRequest
+from engine_api.sampling import SamplingParams
+from engine_api.turn import Finished, FirstToken, GenerationRequest
 from local_runner.loader import LoadedModel, load_model
 from local_runner.runner import Runner
-from local_runner.sampling import SamplingParams
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 TEXT = (

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from engine_api.sampling import SamplingParams
+from engine_api.turn import Finished, FirstToken, GenerationRequest
 from kvtier import KVStore, StoreConfig
-from local_runner.jobs import Finished, FirstToken, GenerationRequest
 from local_runner.loader import LoadedModel, load_model
 from local_runner.runner import Runner, RunnerConfig
-from local_runner.sampling import SamplingParams
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 from .runner_batch import prompt_ids

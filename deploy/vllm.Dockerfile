@@ -9,6 +9,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY proxy ./proxy
+COPY engine_api ./engine_api
 COPY kvtier ./kvtier
 COPY local_runner ./local_runner
 COPY vllm_engine ./vllm_engine

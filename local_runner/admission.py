@@ -18,7 +18,7 @@ contract ("Admission"):
 - A job cancelled while it waits leaves its queue at once (its place, its look-ahead window place and
   so its prefetch protection go with it).
 
-Not thread-safe on its own: the runner's worker guards it with its condition variable.
+Not thread-safe on its own: the scheduler guards it with its condition variable.
 """
 
 from __future__ import annotations
@@ -28,26 +28,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+from engine_api.errors import OverShare, QueueFull
+
 from .jobs import Job
-
-
-class QueueFull(RuntimeError):
-    """The engine cannot take the turn now (no running slot, no queue place): the serving layer sends
-    it upstream when the upstream serves the model, else answers 503. Raised by both engines."""
-
-
-class OverShare(RuntimeError):
-    """This client holds its fair share of the queue while other clients wait: 429 with Retry-After."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-def counts_as_hit(reusable_tokens: int, prompt_tokens: int) -> bool:
-    """At a full queue a turn with at least half its prompt stored still runs here, where it is cheap
-    (cost-aware routing): the one rule both engines apply."""
-    return reusable_tokens * 2 >= prompt_tokens
 
 
 @dataclass(frozen=True)

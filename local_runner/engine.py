@@ -23,11 +23,12 @@ from collections.abc import Mapping
 
 import torch
 
+from engine_api.turn import GenerationRequest
 from kvtier import KVStore, PrefixMatch, Schedule, available_memory_bytes
 
 from .config import RunnerConfig
 from .job_state import JobState, Status
-from .jobs import GenerationRequest, Job
+from .jobs import Job
 from .kv_slots import SlotPool
 from .loader import LoadedModel
 from .model_step import ModelStep

@@ -24,13 +24,14 @@ from contextlib import ExitStack
 
 import torch
 
+from engine_api.sampling import TokenLogprob
+from engine_api.turn import Failed, Finished, FirstToken, TextDelta
 from kvtier import KVLoadError, KVStore, PrefixMatch, RestoredKV
 
 from .job_kv import JobKV
-from .jobs import Failed, Finished, FirstToken, Job, TextDelta
+from .jobs import Job
 from .kv_slots import SlotPool
 from .loader import LoadedModel
-from .params import TokenLogprob
 from .realign import Realignment, ShiftedKV, ShiftStats, find_realignment, used_tokens_by_tier
 from .rope_shift import RopeShift
 from .sampling import Sampler

@@ -1,4 +1,4 @@
-"""A generation job and the events it streams back to the event loop.
+"""A submitted turn inside the embedded engine (`Job`) and how its events reach the event loop.
 
 The worker thread produces events; the request handler consumes them on the event loop. The hand-over
 is `loop.call_soon_threadsafe(queue.put_nowait, event)`, so the worker never blocks on a slow client.
@@ -12,89 +12,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 
-from .params import SamplingParams, TokenLogprob
-
-
-@dataclass
-class GenerationRequest:
-    """What a caller asks for. Owned by its caller, and read-only once submitted: the serving layer
-    derives variants with `dataclasses.replace` (a compiled grammar, an n > 1 fork), and the engine
-    keeps what it decides about a job on the `Job` (its `max_tokens` cap), never here."""
-
-    model: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    namespace: str = "anonymous"  # the tenant: KV is never shared across namespaces
-    session: str | None = None
-    hint_keys: Sequence[str] = ()  # KV chunk keys another replica may have saved on the shared disk
-    previous_keys: Sequence[str] = ()  # a truncated turn: the session's previous sequence, as chunk keys
-    reuse: bool = True
-    client: str = ""  # who is asking (a tenant, or an address without a key): admission is fair per client
-    # A miss that the upstream could serve instead (it serves the same model): while it waits, a hit
-    # that finds the queue full may take its place, and it goes upstream (cost-aware routing).
-    may_overflow: bool = False
-    # sampling.grammar compiled for this model's tokenizer (the engine's `Grammars.compile`), or None.
-    compiled_grammar: object | None = None
-    # n > 1: another answer to `fork_of`'s prompt, submitted once that job has its first token; its
-    # prompt's KV is copied from that job's slot (the prompt is computed once for the n answers).
-    fork_of: GenerationRequest | None = None
-
-
-@dataclass
-class FirstToken:
-    """The prompt is processed and the first token chosen: the moment TTFT measures."""
-
-    reused_tokens: int
-    tier: str | None  # the slowest tier the reused KV came from ("l0"/"l1"/"l2"), None on a miss
-    at: float  # time.monotonic()
-    tiers: dict[str, int] = field(default_factory=dict)  # reused tokens per tier
-    position_shift: int = 0  # positions the reused KV was moved by after a truncation
-
-
-@dataclass
-class TextDelta:
-    text: str
-    # The tokens this text comes from, when the request asked for logprobs (a delta may carry tokens
-    # whose text is still held back, and the last delta may carry tokens without text).
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass
-class Finished:
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    prompt_tokens: int
-    completion_tokens: int
-    reused_tokens: int
-    chunk_keys: list[str] = field(default_factory=list)  # the conversation's KV chunks, for the session index
-
-
-@dataclass
-class Failed:
-    message: str
-    status: int = 500  # what the proxy answers when nothing was sent yet
-    code: str | None = None  # OpenAI error code, when there is one
-    retry_after_s: float | None = None  # a 429: when the client may try again
-
-
-Event = FirstToken | TextDelta | Finished | Failed
-
-
-class EngineError(Exception):
-    """A turn an engine refuses before its first event (its server refused the request, or cannot be
-    reached): the serving layer answers the client with this status, message, code and error type
-    (None: the status's usual type)."""
-
-    def __init__(
-        self, status: int, message: str, *, code: str | None = None, type_: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.type = type_
+from engine_api.turn import Event, Failed, Finished, GenerationRequest
 
 
 class Outbox:

@@ -1,19 +1,12 @@
-"""Model loading: an HF folder or a .gguf file, de-quantized once and cached as safetensors.
-
-Loading the GGUF takes ~30 s on a small CPU (de-quantization and tokenizer conversion); the safetensors
-copy loads in well under a second, so the conversion runs once per model file and dtype-independent
-weights are kept under the cache folder.
+"""Model loading for the embedded engine: the weights' folder (engine_api.model_source: an HF folder, or
+a GGUF's safetensors copy made once), loaded on the device in the dtype asked for and prepared for the
+packed step (fused projections), with what the KV store needs to key and shape its entries.
 """
 
 from __future__ import annotations
 
-import copy
-import importlib.util
 import logging
 import os
-import shutil
-import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +18,15 @@ import torch
 import xxhash
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from engine_api.model_source import (
+    ModelLoadError,
+    auto_dtype,
+    converted_folder,
+    cpu_flags,
+    file_digest,
+    resolve_source,
+)
+from engine_api.tokenizers import ThreadTokenizers
 from kvtier import KVLayout
 
 from .decoder import DecoderStack, fuse_projections
@@ -36,30 +38,6 @@ log = logging.getLogger("attnstore.runner")
 T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_READY_MARK = "attnstore-converted.ok"
-
-
-class ModelLoadError(RuntimeError):
-    """A model source that cannot be found or loaded; the message names the source."""
-
-
-class ThreadTokenizers:
-    """One tokenizer per thread: a fast (Rust) tokenizer used from two threads at once fails with
-    "Already borrowed", and the proxy renders prompts on executor threads while the runner's thread
-    decodes answers. Copies are made on first use in each thread (a deep copy takes a few ms)."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self._origin = tokenizer
-        self._lock = threading.Lock()
-        self._local = threading.local()
-
-    def get(self) -> PreTrainedTokenizerBase:
-        tok = getattr(self._local, "tokenizer", None)
-        if tok is None:
-            with self._lock:  # copying reads the original: never while another thread copies it
-                tok = copy.deepcopy(self._origin)
-            self._local.tokenizer = tok
-        return tok
 
 
 @dataclass
@@ -76,10 +54,11 @@ class LoadedModel:
     max_context: int
     load_seconds: float
     eos_token_ids: frozenset[int]
-    # The eager step's dense path, set by the first runner that needs it (model_step.py): None while the
+    # The eager step's dense path, set by the first engine that needs it (model_step.py): None while the
     # linear layers are as loaded, else "oneDNN packed" (weights reordered once, dense.py) or "plain" (why
-    # not, after a colon); a compiled step needs them as loaded. `rows_invariant`: None until a batch_invariant runner makes the linear layers compute each
-    # row alone (dense.make_rows_invariant), then whether that was verified.
+    # not, after a colon); a compiled step needs them as loaded. `rows_invariant`: None until a
+    # batch_invariant engine makes the linear layers compute each row alone (dense.make_rows_invariant),
+    # then whether that was verified.
     dense: str | None = None
     rows_invariant: bool | None = None
     tokenizers: ThreadTokenizers = field(init=False)
@@ -97,29 +76,11 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-# CPU flags (as /proc/cpuinfo names them) of native bfloat16 arithmetic: AVX-512 BF16 or AMX.
-BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The first processor's feature flags ('' where the file is missing: not Linux)."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def resolve_dtype(dtype: str, device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
-    """`auto`: bfloat16 on CUDA and on CPUs with native bfloat16 arithmetic (2,048-token prefill 1.9 s
-    against 3.5 s in float32 on such a CPU); float32 on other CPUs, where bfloat16 runs 4-7x slower."""
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16
-    return torch.bfloat16 if BF16_CPU_FLAGS & (cpu_flags() if flags is None else flags) else torch.float32
+    """The dtype named, or `auto`'s choice for this device (model_source.auto_dtype)."""
+    if dtype == "auto":
+        dtype = auto_dtype(device.type == "cuda", cpu_flags() if flags is None else flags)
+    return _DTYPES[dtype]
 
 
 def configure_threads(threads: int = 0) -> int:
@@ -129,64 +90,6 @@ def configure_threads(threads: int = 0) -> int:
     n = threads
     torch.set_num_threads(max(1, n))
     return torch.get_num_threads()
-
-
-def resolve_source(source: str) -> Path:
-    """`pkg:NAME` is the .gguf file inside the installed package folder NAME (never imported)."""
-    if source.startswith("pkg:"):
-        spec = importlib.util.find_spec(source[4:])
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(f"model source {source!r}: package not installed (see README: make install)")
-        ggufs = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-        if not ggufs:
-            raise ModelLoadError(f"model source {source!r}: no .gguf file in the package")
-        return ggufs[0]
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model source {source!r}: no such file or folder")
-    return path
-
-
-def file_digest(path: Path) -> str:
-    """Content hash of a model file or folder's weight files; part of every KV key, so KV of one
-    model's weights is never served for another's."""
-    h = xxhash.xxh3_128()
-    files = (
-        [path]
-        if path.is_file()
-        else sorted(p for p in path.rglob("*") if p.suffix in {".safetensors", ".bin", ".gguf"})
-    )
-    for f in files:
-        with f.open("rb") as fh:
-            while block := fh.read(8 << 20):
-                h.update(block)
-    return h.hexdigest()
-
-
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    log.info("first start: de-quantizing %s (about 30 s, done once; cached at %s)", gguf.name, target)
-    started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    log.info("  tokenizer converted (%.1f s); converting weights...", time.perf_counter() - started)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # transformers refuses to save a GGUF-loaded model although its weights are plain tensors by now.
-    quantizer: Any = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.remove_quantization_config(model)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / _READY_MARK).write_text(gguf.name)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process (a second replica) finished first: keep its copy
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.info("  converted in %.1f s", time.perf_counter() - started)
 
 
 def load_model(
@@ -207,9 +110,9 @@ def load_model(
 def on_passing_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """fn(*args, **kwargs) on a thread that ends with it. Every thread that runs a parallel torch op keeps
     an OpenMP team for life, and once the process's teams hold more threads than there are cores, GNU
-    OpenMP stops spinning between parallel regions (GOMP_SPINCOUNT's throttling): measured on this 2-core
-    CPU, a decode step on the runner's thread took ~40 ms after a load on the main thread, ~24 ms after a
-    load here. So torch work outside the runner's thread (a load, a benchmark's baseline) runs here."""
+    OpenMP stops spinning between parallel regions (GOMP_SPINCOUNT's throttling), which slows every step
+    of the engine's thread (docs/engine.md, "Batched steps": one OpenMP team). So torch work outside the
+    engine's thread (a load, a benchmark's baseline) runs here."""
     with ThreadPoolExecutor(1, thread_name_prefix="attnstore-passing") as pool:
         return pool.submit(fn, *args, **kwargs).result()
 
@@ -225,9 +128,7 @@ def _load_model(
     digest = file_digest(path)
     folder = path
     if path.is_file() and path.suffix == ".gguf":
-        folder = Path(cache_dir) / f"{name}-{digest[:16]}"
-        if not (folder / _READY_MARK).exists():
-            _convert_gguf(path, folder)
+        folder = converted_folder(name, path, digest, Path(cache_dir))
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dt)

@@ -7,37 +7,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from kvtier import KVStore, StoreStats
+from engine_api.prompt import RenderedPrompt, fit_turn
+from engine_api.stats import EngineStats
+from engine_api.turn import GenerationRequest
+from kvtier import KVStore
 
 from .config import RunnerConfig
 from .engine import Engine
-from .jobs import GenerationRequest, Job
+from .jobs import Job
 from .loader import LoadedModel
 from .model_step import ModelStep
-from .prompt import fit_turn
-
-
-@dataclass(frozen=True)
-class RunnerStats:
-    queued: int
-    running: int
-    cancelled: int  # jobs stopped because their client went away
-    stores: dict[str, StoreStats]  # per served model with a KV store
-    shifted_turns: int = 0  # turns that reused KV moved to new positions after a truncation
-    shifted_tokens: int = 0  # the tokens so moved
-    admitted: int = 0  # jobs taken from the queue so far
-    queue_wait_seconds: float = 0.0  # their time in the queue, summed (mean = this / admitted)
-    waiting_clients: int = 0  # clients with jobs in the queue (admission alternates between them)
-    forked_tokens: int = 0  # n > 1: prompt tokens copied from the first answer's KV, not computed
-
-
-@dataclass(frozen=True)
-class RenderedPrompt:
-    ids: list[int]
-    dropped_messages: int  # the oldest messages truncation left out (0: the whole conversation is in)
 
 
 class Runner:
@@ -93,10 +74,7 @@ class Runner:
         tokenizer = self.engine.models[model].tokenizers.get()
         limit = self.context_limit(model)
         truncate = self.engine.config.truncate_on_overflow
-        ids, dropped = fit_turn(
-            tokenizer, messages, model=model, limit=limit, reserve=reserve, truncate=truncate
-        )
-        return RenderedPrompt(ids, dropped)
+        return fit_turn(tokenizer, messages, model=model, limit=limit, reserve=reserve, truncate=truncate)
 
     def submit(
         self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None, *, hit: bool = False
@@ -123,12 +101,12 @@ class Runner:
         """The waiting jobs in the order they will be admitted (round-robin between clients)."""
         return self.engine.scheduler.window()
 
-    def stats(self) -> RunnerStats:
+    def stats(self) -> EngineStats:
         """A snapshot of the queue and of every model's store; safe from any thread (the stores lock
         themselves), but it may wait on a store's lock, so call it off the event loop."""
         scheduler = self.engine.scheduler.counts()
         shifted_turns, shifted_tokens = self.engine.counters.shift_stats.snapshot()
-        return RunnerStats(
+        return EngineStats(
             queued=scheduler.queued,
             running=self.running,
             cancelled=scheduler.cancelled,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .params import SamplingParams, TokenLogprob
+from engine_api.sampling import SamplingParams, TokenLogprob
 
 __all__ = ["Sampler", "SamplingParams", "TokenLogprob"]
 

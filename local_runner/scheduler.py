@@ -26,9 +26,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .admission import AdmissionQueue, OverShare, QueueFull
+from engine_api.errors import OverShare, QueueFull
+from engine_api.turn import Failed, Finished
+
+from .admission import AdmissionQueue
 from .job_state import JobState, Status
-from .jobs import Failed, Finished, Job
+from .jobs import Job
 from .kv_slots import SlotPool
 from .step import Work
 

@@ -23,10 +23,11 @@ from typing import Protocol
 
 import torch
 
+from engine_api.turn import Failed, Finished
 from kvtier import KVLoadError
 
 from .job_state import JobState
-from .jobs import Failed, Finished, Job, Outbox
+from .jobs import Job, Outbox
 from .kv_slots import SlotPool
 from .scheduler import Scheduler
 from .step import Work

@@ -41,7 +41,7 @@ def build(settings: Settings) -> web.Application | None:
 
     if not settings.local_runner.enabled:
         return build_full_app(settings)
-    from local_runner.loader import ModelLoadError
+    from engine_api.model_source import ModelLoadError
 
     try:
         return build_full_app(settings)

@@ -8,9 +8,10 @@ import asyncio
 
 import pytest
 
-from local_runner.admission import OverShare, QueueFull
-from local_runner.jobs import Failed, Finished, FirstToken, GenerationRequest, Job
-from local_runner.params import SamplingParams
+from engine_api.errors import OverShare, QueueFull
+from engine_api.sampling import SamplingParams
+from engine_api.turn import Failed, Finished, FirstToken, GenerationRequest
+from local_runner.jobs import Job
 from local_runner.runner import Runner, RunnerConfig
 from tests.test_local_runner_batching import drain, ids_of
 from tests.tiny_model import tiny_llama, tiny_loaded

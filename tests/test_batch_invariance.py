@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import torch
 
-from local_runner.jobs import GenerationRequest
+from engine_api.sampling import SamplingParams
+from engine_api.turn import GenerationRequest
 from local_runner.loader import load_model
-from local_runner.params import SamplingParams
 from local_runner.runner import Runner, RunnerConfig
 from proxy.settings import DEFAULT_MODEL_SOURCE
 from tests.model_fixture import MODEL, REPO

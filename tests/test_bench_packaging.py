@@ -1,5 +1,6 @@
 """`attnstore bench` installed outside the checkout: the benchmarks import only what ships with the project
-(bench/ with its servers and helpers in bench.support, proxy/, kvtier/, local_runner/), never tests/.
+(bench/ with its servers and helpers in bench.support, proxy/, engine_api/, kvtier/, local_runner/),
+never tests/.
 
 The copy below is what `pip install attnstore[bench]` puts in site-packages; the interpreter runs from
 another folder, so neither the checkout nor its tests/ is on the path (the editable install maps only the
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("bench", "proxy", "kvtier", "local_runner")
+PACKAGES = ("bench", "proxy", "engine_api", "kvtier", "local_runner")
 BENCH_MODULES = (
     "bench.multiturn",
     "bench.peers",

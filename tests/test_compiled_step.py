@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
+from engine_api.sampling import SamplingParams
+from engine_api.turn import Finished, GenerationRequest
 from kvtier import KVStore, StoreConfig
-from local_runner.jobs import Finished, GenerationRequest
 from local_runner.loader import load_model
-from local_runner.params import SamplingParams
 from local_runner.runner import Runner, RunnerConfig
 from proxy.settings import DEFAULT_MODEL_SOURCE
 from tests.model_fixture import MODEL, REPO

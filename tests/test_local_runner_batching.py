@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from engine_api.sampling import SamplingParams
+from engine_api.turn import Failed, Finished, FirstToken, GenerationRequest, TextDelta
 from kvtier import KVStore, StoreConfig
 from local_runner.job_kv import JobKV
-from local_runner.jobs import Failed, Finished, FirstToken, GenerationRequest, Job, TextDelta
+from local_runner.jobs import Job
 from local_runner.runner import Runner, RunnerConfig
-from local_runner.sampling import SamplingParams
 from local_runner.step import Work, run_per_job
 from tests.tiny_model import tiny_llama, tiny_loaded
 

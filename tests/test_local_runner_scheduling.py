@@ -7,8 +7,8 @@ import asyncio
 
 import torch
 
+from engine_api.turn import Failed, Finished
 from kvtier import KVStore, StoreConfig
-from local_runner.jobs import Failed, Finished
 from local_runner.runner import Runner, RunnerConfig
 from tests.support.waiting import async_wait_until
 from tests.test_local_runner_batching import drain, greedy_alone, ids_of, submit

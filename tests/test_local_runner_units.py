@@ -8,11 +8,12 @@ import threading
 import pytest
 import torch
 
+from engine_api.prompt import fit_history, render_prompt
+from engine_api.tokenizers import ThreadTokenizers
 from local_runner.job_kv import JobKV
 from local_runner.kv_slots import SlotPool
-from local_runner.loader import ThreadTokenizers, resolve_dtype
+from local_runner.loader import resolve_dtype
 from local_runner.packed_attention import can_pack
-from local_runner.prompt import fit_history, render_prompt
 from local_runner.step import Work, run_packed, run_per_job
 from local_runner.text_stream import TextStream
 from tests.tiny_model import tiny_llama, tiny_loaded, tiny_tokenizer

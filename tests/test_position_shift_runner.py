@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_api.prompt import ANSWER_ROOM, HEADROOM, fit_history, render_prompt
+from engine_api.sampling import SamplingParams
+from engine_api.turn import Finished, FirstToken, GenerationRequest, TextDelta
 from kvtier import KVStore, StoreConfig
-from local_runner.jobs import Finished, FirstToken, GenerationRequest, TextDelta
-from local_runner.prompt import ANSWER_ROOM, HEADROOM, fit_history, render_prompt
 from local_runner.realign import find_realignment
 from local_runner.runner import Runner, RunnerConfig
-from local_runner.sampling import SamplingParams
 from tests.tiny_model import tiny_llama, tiny_loaded, tiny_tokenizer
 
 LIMIT = 240

@@ -148,7 +148,7 @@ def test_cache_labels_come_from_kvtiers_tiers():
 
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("proxy", "local_runner", "vllm_engine", "kvtier")  # attnstore's own, above to below
+PACKAGES = ("proxy", "local_runner", "vllm_engine", "engine_api", "kvtier")  # attnstore's own, above to below
 IN_VLLM = ("vllm_engine.connector", "vllm_engine.link")  # what vLLM's own processes import
 
 
@@ -204,25 +204,31 @@ def _importers(package: str, forbidden: set[str]) -> dict[str, set[str]]:
 
 
 def test_the_packages_import_one_way_proxy_then_the_engines_then_kvtier():
-    """proxy -> the engines (local_runner, vllm_engine) -> kvtier, never back up: only the proxy imports
-    the proxy; the vLLM engine may use the embedded engine's events and helpers, not the other way; the
+    """proxy -> the engines (local_runner, vllm_engine) -> engine_api -> kvtier, never back up: only the
+    proxy imports the proxy; neither engine imports the other (what they share is engine_api's); the
     connector and its link (they run inside vLLM) import only kvtier; kvtier knows no engine at all."""
-    assert {"local_runner.jobs", "vllm_engine.engine", "vllm_engine.link.wire", "kvtier.store"} <= {
+    assert {"engine_api.turn", "local_runner.jobs", "vllm_engine.engine", "vllm_engine.link.wire"} <= {
         m for p in PACKAGES for m in _imports(p)
     }
     assert _importers("local_runner", {"proxy", "vllm_engine"}) == {}
-    assert _importers("vllm_engine", {"proxy"}) == {}
+    assert _importers("vllm_engine", {"proxy", "local_runner"}) == {}
+    assert _importers("engine_api", {"proxy", "local_runner", "vllm_engine"}) == {}
     in_vllm = {m: d for m, d in _imports("vllm_engine").items() if m.startswith(IN_VLLM)}
     assert "vllm_engine.connector" in in_vllm and "vllm_engine.link.worker" in in_vllm
     outside = {(m, d) for m, deps in in_vllm.items() for d in deps if not d.startswith(("kvtier", *IN_VLLM))}
     assert outside == set()
-    assert _importers("kvtier", {"proxy", "local_runner", "vllm_engine"}) == {}
+    assert _importers("kvtier", {"proxy", "engine_api", "local_runner", "vllm_engine"}) == {}
     mentions = [p for p in (ROOT / "kvtier").rglob("*.py") if "vllm" in p.read_text().lower()]
     assert mentions == [], "kvtier names no engine"
 
 
 def test_an_upstream_only_proxy_loads_no_torch():
-    """The proxy's core (tier names included, from kvtier's torch-free module) imports without torch:
-    an upstream-only proxy starts in a blink. Only proxy.local, built when local serving is on, loads it."""
-    code = "import sys, proxy.http.app, proxy.cli; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
+    """The proxy's core (tier names included, from kvtier's torch-free module) and the engine interface
+    import without torch: an upstream-only proxy starts in a blink. Only proxy.local, built when local
+    serving is on, loads it."""
+    interface = ", ".join(f"engine_api.{p.stem}" for p in (ROOT / "engine_api").glob("*.py"))
+    code = (
+        f"import sys, proxy.http.app, proxy.cli, {interface}; "
+        "sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0

@@ -7,11 +7,11 @@ import asyncio
 import pytest
 import torch
 
-from local_runner.admission import QueueFull
-from local_runner.jobs import Failed, Finished, FirstToken, GenerationRequest, TextDelta
-from local_runner.prompt import PromptError
+from engine_api.errors import QueueFull
+from engine_api.prompt import PromptError
+from engine_api.sampling import SamplingParams
+from engine_api.turn import Failed, Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.runner import Runner, RunnerConfig
-from local_runner.sampling import SamplingParams
 from tests.model_fixture import MODEL
 
 pytestmark = pytest.mark.model

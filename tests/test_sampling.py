@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from local_runner.params import SamplingParams
+from engine_api.sampling import SamplingParams
 from local_runner.sampling import Sampler
 
 

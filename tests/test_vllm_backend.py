@@ -20,11 +20,12 @@ import pytest
 import torch
 from aiohttp import web
 
+from engine_api.errors import EngineError
+from engine_api.prompt import render_prompt
+from engine_api.sampling import SamplingParams
+from engine_api.tokenizers import ThreadTokenizers
+from engine_api.turn import GenerationRequest
 from kvtier import KVLayout, KVStore, StoreConfig
-from local_runner.jobs import EngineError, GenerationRequest
-from local_runner.loader import ThreadTokenizers
-from local_runner.params import SamplingParams
-from local_runner.prompt import render_prompt
 from proxy.cluster.session_index import MemorySessionIndex, SessionRecord
 from proxy.http.app import build_app
 from proxy.serving.service import LocalServing

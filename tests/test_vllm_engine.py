@@ -25,8 +25,8 @@ import pytest
 import urllib3
 from transformers import AutoTokenizer
 
-from local_runner.loader import ModelLoadError
-from local_runner.prompt import PromptFormat, render_prompt
+from engine_api.model_source import ModelLoadError
+from engine_api.prompt import PromptFormat, render_prompt
 from tests import test_agents as agents
 from tests.model_fixture import DEFAULT_DTYPE, MODEL, REPO
 from tests.support.processes import ReplicaProcess

@@ -2,7 +2,7 @@
 `KVStore` as the embedded engine is.
 
     engine.py      VllmEngine: a turn's token ids to the model's vLLM server, its stream back as the
-                   engine events of `local_runner.jobs`, what it reused from the store's report
+                   events of `engine_api.turn`, what it reused from the store's report
     start.py       every model's server started from a `VllmConfig` (a GGUF converted once), and waited for
     launch.py      VllmConfig, and the vLLM server command for one model from it
     server.py      one vLLM server as a child process group: started, waited for, stopped
@@ -13,8 +13,9 @@
     link/          the connector's parts: the arithmetic, the store's socket, vLLM's paged layout,
                    the worker and scheduler sides
 
-Imports point one way: the proxy imports this package; this package imports `local_runner` (the events,
-admission's errors, the tokenizer and model-folder helpers) and `kvtier`, never the proxy. The
-connector and link/ import only kvtier (they run inside vLLM's processes). Importing this package
-loads nothing; launch.py and link's plan, options and wire are torch-free.
+Imports point one way: the proxy imports this package; this package imports `engine_api` (the interface
+it implements: the turn, its events and errors, the tokenizer and model-source helpers) and `kvtier`,
+never the proxy nor the embedded engine. The connector and link/ import only kvtier (they run inside
+vLLM's processes). Importing this package loads nothing; launch.py and link's plan, options and wire
+are torch-free.
 """

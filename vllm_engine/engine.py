@@ -1,5 +1,5 @@
-"""The vLLM engine, as the serving layer sees an engine (`proxy.serving.engine.Engine`): a turn's token
-ids sent to the model's vLLM server, its stream read back as the engine's events (`local_runner.jobs`).
+"""The vLLM engine, as the serving layer sees an engine (`engine_api.engine.Engine`): a turn's token
+ids sent to the model's vLLM server, its stream read back as the engine's events (`engine_api.turn`).
 
 A turn is sent as a streamed /v1/completions of those ids, with the tenant, the session and the turn's
 id in `kv_transfer_params` (the connector, connector.py, keys the store by them) and the tenant as vLLM's
@@ -25,13 +25,13 @@ from typing import Any
 import aiohttp
 from transformers import PreTrainedTokenizerBase
 
+from engine_api.errors import EngineError, QueueFull, counts_as_hit
+from engine_api.sampling import SamplingParams, TokenLogprob
+from engine_api.stats import EngineStats
+from engine_api.tokenizers import ThreadTokenizers
+from engine_api.turn import Event, Failed, Finished, FirstToken, GenerationRequest, TextDelta
 from kvtier import TIERS
 from kvtier.tier_names import tier_rank
-from local_runner.admission import QueueFull, counts_as_hit
-from local_runner.jobs import EngineError, Event, Failed, Finished, FirstToken, GenerationRequest, TextDelta
-from local_runner.loader import ThreadTokenizers
-from local_runner.params import SamplingParams, TokenLogprob
-from local_runner.runner import RunnerStats
 
 from .link.wire import AsyncStoreClient, StoreError, StoreUnavailable
 from .server import VllmServer
@@ -94,10 +94,10 @@ class VllmEngine:
             for name, m in self.models.items()
         }
 
-    def stats(self) -> RunnerStats:
+    def stats(self) -> EngineStats:
         running = min(self._in_flight, self.max_running)
         stores = {n: s for n, m in self.models.items() if (s := store_stats(m.server)) is not None}
-        return RunnerStats(
+        return EngineStats(
             queued=self._in_flight - running,
             running=running,
             cancelled=self._cancelled,

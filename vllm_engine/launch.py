@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine_api.model_source import auto_dtype
+
 ATTNSTORE_ROOT = Path(__file__).resolve().parents[1]  # the folder holding vllm_engine/ and kvtier/
 CONNECTOR_MODULE = "vllm_engine.connector"
-BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,12 +63,10 @@ class Launch:
 
 def vllm_dtype(dtype: str, device: str, cpu_flags: frozenset[str]) -> str:
     """The dtype vLLM is told, never `auto`, so that the health report and the store's fingerprint name what
-    runs. `auto` means what it means for the embedded engine: bfloat16 on CUDA and on a CPU with native
-    bfloat16 arithmetic, float32 on other CPUs, where bfloat16 runs several times slower (FACTS.md)."""
+    runs. `auto` means what it means for the embedded engine (engine_api.model_source.auto_dtype)."""
     if dtype != "auto":
         return dtype
-    cuda = device.startswith("cuda") or Path("/dev/nvidia0").exists()
-    return "bfloat16" if cuda or (BF16_CPU_FLAGS & cpu_flags) else "float32"
+    return auto_dtype(device.startswith("cuda") or Path("/dev/nvidia0").exists(), cpu_flags)
 
 
 def model_context(folder: Path) -> int | None:

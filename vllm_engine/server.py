@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from local_runner.loader import ModelLoadError
+from engine_api.model_source import ModelLoadError
 
 from .launch import Launch
 from .link.wire import StoreClient, StoreError, StoreUnavailable

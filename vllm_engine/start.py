@@ -14,15 +14,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from local_runner.loader import (
-    _READY_MARK,
-    ModelLoadError,
-    ThreadTokenizers,
-    _convert_gguf,
-    cpu_flags,
-    file_digest,
-    resolve_source,
-)
+from engine_api.model_source import ModelLoadError, converted_folder, cpu_flags, file_digest, resolve_source
+from engine_api.tokenizers import ThreadTokenizers
 
 from .engine import ServedModel
 from .launch import VllmConfig, context_limit, vllm_dtype, vllm_launch
@@ -32,16 +25,13 @@ from .server import VllmServer, check_vllm_python, free_port
 
 def model_folder(name: str, source: str, cache_dir: Path) -> Path:
     """The HF folder vLLM loads: the source itself, or a GGUF's safetensors copy (converted once, the
-    same copy the embedded runner makes)."""
+    same copy the embedded engine makes)."""
     path = resolve_source(source)
     if path.is_dir():
         return path
     if path.suffix != ".gguf":
         raise ModelLoadError(f"model {name!r}: vLLM serves an HF folder or a .gguf file, not {source!r}")
-    folder = cache_dir / f"{name}-{file_digest(path)[:16]}"
-    if not (folder / _READY_MARK).exists():
-        _convert_gguf(path, folder)
-    return folder
+    return converted_folder(name, path, file_digest(path), cache_dir)
 
 
 def start_servers(config: VllmConfig) -> dict[str, tuple[VllmServer, Path]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import ClientResponse
 
-from local_runner.params import TokenLogprob
+from engine_api.sampling import TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from .app_keys import LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
 from .errors import APIError
 
 if TYPE_CHECKING:  # torch loads only when the local runner is enabled
-    from local_runner.runner import RunnerStats
+    from engine_api.stats import EngineStats
 
 
 def _sum_stats(per_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def _sum_stats(per_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
-def _per_model(snapshot: RunnerStats | None) -> dict[str, dict[str, Any]]:
+def _per_model(snapshot: EngineStats | None) -> dict[str, dict[str, Any]]:
     return {name: s.to_dict() for name, s in snapshot.stores.items()} if snapshot else {}
 
 

@@ -17,10 +17,11 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from local_runner.admission import QueueFull, counts_as_hit
+from engine_api.errors import QueueFull, counts_as_hit
+from engine_api.stats import EngineStats
+from engine_api.turn import Event, Failed, GenerationRequest
 from local_runner.grammars import Grammars
-from local_runner.jobs import Event, Failed, GenerationRequest
-from local_runner.runner import Runner, RunnerStats
+from local_runner.runner import Runner
 
 
 class EmbeddedEngine:
@@ -70,7 +71,7 @@ class EmbeddedEngine:
     def describe(self) -> dict[str, Any]:
         return self.runner.describe()
 
-    def stats(self) -> RunnerStats:
+    def stats(self) -> EngineStats:
         return self.runner.stats()
 
     def forget_session(self, tenant: str, session: str) -> int:

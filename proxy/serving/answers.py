@@ -16,8 +16,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from local_runner.jobs import Failed, Finished, TextDelta
-from local_runner.params import TokenLogprob
+from engine_api.sampling import TokenLogprob
+from engine_api.turn import Failed, Finished, TextDelta
 
 from ..http.errors import APIError, error_body
 from ..openai import chat as chat_wire

@@ -13,9 +13,8 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Callable
 
-from local_runner.jobs import Event, Failed, Finished, GenerationRequest
-
-from .engine import OverShare, QueueFull
+from engine_api.errors import OverShare, QueueFull
+from engine_api.turn import Event, Failed, Finished, GenerationRequest
 
 Indexed = tuple[int, Event]
 Run = Callable[[GenerationRequest], AsyncGenerator[Event, None]]

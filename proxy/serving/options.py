@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from local_runner.params import SamplingParams
+from engine_api.sampling import SamplingParams
 
 from ..http.errors import bad_request
 from ..openai.requests import ApiRequest, ChatRequest, CompletionRequest, ResponsesRequest

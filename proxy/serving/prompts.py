@@ -9,24 +9,18 @@ refused what cannot fit.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from local_runner.prompt import PLAIN, PromptError, PromptFormat, check_fits, fit_turn
+from engine_api.engine import Engine
+from engine_api.prompt import PLAIN, PromptError, PromptFormat, RenderedPrompt, check_fits, fit_turn
 
 from ..http.errors import APIError
 from ..http.limits import max_chars_per_token, precheck_prompt
-from .engine import Engine
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class RenderedPrompt:
-    ids: list[int]
-    dropped_messages: int = 0  # the oldest messages truncation left out (0: the whole conversation is in)
 
 
 class PromptBuilder:
@@ -64,7 +58,7 @@ class PromptBuilder:
         )
 
         def render() -> RenderedPrompt:
-            ids, dropped = fit_turn(
+            rendered = fit_turn(
                 self.engine.tokenizer(model),
                 kept,
                 model=model,
@@ -73,7 +67,10 @@ class PromptBuilder:
                 truncate=self.truncate,
                 chat=chat,
             )
-            return RenderedPrompt(ids, dropped + len(messages) - len(kept))
+            # Messages the character bound dropped before tokenizing count as dropped too.
+            return dataclasses.replace(
+                rendered, dropped_messages=rendered.dropped_messages + len(messages) - len(kept)
+            )
 
         return await self._on_pool(render)
 

@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 from aiohttp import web
 
+from engine_api.engine import Engine
+from engine_api.errors import EngineError, OverShare, QueueFull
+from engine_api.prompt import PromptFormat, RenderedPrompt, render_prompt
+from engine_api.turn import Event, Failed, Finished, FirstToken, GenerationRequest
 from kvtier.tier_names import TIERS, Tier
-from local_runner.jobs import Event, Failed, Finished, FirstToken, GenerationRequest
-from local_runner.prompt import PromptFormat, render_prompt
 
 from ..cluster.session_index import SessionIndex, SessionRecord
 from ..http.errors import APIError
@@ -39,9 +41,8 @@ from ..turns.tenant import ANONYMOUS, tenant_of
 from ..turns.turn import Turn
 from .answers import Answer, ChatAnswer, CompletionAnswer, ResponsesAnswer, write_answer
 from .choices import fan_out
-from .engine import Engine, EngineError, OverShare, QueueFull
 from .options import ChatSetup, sampling_params, unsupported_reason
-from .prompts import PromptBuilder, RenderedPrompt
+from .prompts import PromptBuilder
 from .response_store import ResponseStore, StoredResponse
 from .structured import response_format_grammar
 from .tools import (
@@ -54,7 +55,7 @@ from .tools import (
 )
 
 if TYPE_CHECKING:
-    from local_runner.runner import RunnerStats
+    from engine_api.stats import EngineStats
 
 # Where a turn goes when the local queue is full (`upstream.upstream_fallback`): its answer, or an APIError.
 UpstreamFallback = Callable[[web.Request, ApiRequest, Turn], Awaitable[web.StreamResponse]]
@@ -182,7 +183,7 @@ class LocalServing:
     def describe(self) -> dict[str, Any]:
         return self.engine.describe()
 
-    def stats(self) -> RunnerStats:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def forget_session(self, tenant: str, session: str) -> int:

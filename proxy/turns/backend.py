@@ -22,7 +22,7 @@ from ..openai.requests import ApiRequest
 from .turn import Turn
 
 if TYPE_CHECKING:  # torch loads only when the local runner is enabled
-    from local_runner.runner import RunnerStats
+    from engine_api.stats import EngineStats
 
 
 class LocalBackend(Protocol):
@@ -48,7 +48,7 @@ class LocalBackend(Protocol):
         """Per local model, what /healthz shows (device, dtype, batching)."""
         return {}
 
-    def stats(self) -> RunnerStats | None:
+    def stats(self) -> EngineStats | None:
         """The runner's and its KV stores' counters. Blocking (it takes the stores' locks)."""
         return None
 

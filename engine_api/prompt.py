@@ -1,4 +1,6 @@
-"""Chat messages -> prompt token ids, through the tokenizer's own chat template.
+"""Chat messages -> prompt token ids, through the tokenizer's own chat template: the one rendering path
+of every engine (the serving layer renders through `fit_turn`, so every engine cuts a conversation at
+the same place).
 
 Text turns, an assistant's tool calls and tool results are rendered here (tools through the template's
 own tool rendering); anything else (images, audio) is refused with PromptError so the proxy can send
@@ -11,11 +13,18 @@ import bisect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    ids: list[int]
+    dropped_messages: int = 0  # the oldest messages truncation left out (0: the whole conversation is in)
 
 
 class PromptError(ValueError):
@@ -196,20 +205,19 @@ def fit_turn(
     reserve: int,
     truncate: bool,
     chat: PromptFormat = PLAIN,
-) -> tuple[list[int], int]:
-    """(prompt ids, messages dropped) for one turn, leaving `reserve` tokens of `limit` for the answer
-    (at most a quarter of the context: a large max_tokens is capped, never a reason to refuse).
+) -> RenderedPrompt:
+    """The prompt of one turn, leaving `reserve` tokens of `limit` for the answer (at most a quarter of
+    the context: a large max_tokens is capped, never a reason to refuse).
 
     A conversation that has outgrown the context loses its oldest whole turns when `truncate` is set
-    (`fit_history`); otherwise, or when even that cannot fit it, PromptError (context_length_exceeded).
-    Every engine renders through here, so every engine cuts a conversation at the same place."""
+    (`fit_history`); otherwise, or when even that cannot fit it, PromptError (context_length_exceeded)."""
     reserve = max(1, min(reserve, limit // 4))
     if truncate:
         ids, dropped = fit_history(tokenizer, messages, limit, reserve, chat)
     else:
         ids, dropped = render_prompt(tokenizer, messages, chat), 0
     check_fits(ids, model=model, limit=limit, reserve=reserve)
-    return ids, dropped
+    return RenderedPrompt(ids, dropped)
 
 
 def check_fits(ids: Sequence[int], *, model: str, limit: int, reserve: int, param: str = "messages") -> None:
