@@ -2,7 +2,7 @@
 
     python -m bench.constrained [--streams 1 8] [--tokens 64] [--reps 3] [--dtype auto] [--compile]
 
-Each variant runs `streams` greedy jobs at once on the embedded runner (the real model), decoding
+Each variant runs `streams` greedy jobs at once on the embedded engine (the real model), decoding
 `tokens` tokens each (ignore_eos, so every variant decodes as many), and reports the decode phase's
 milliseconds per token (first token -> end, over all streams) as a median of `reps`, variants
 interleaved: plain text; a JSON Schema grammar (xgrammar's mask on every token: what
@@ -25,9 +25,10 @@ from engine_api.prompt import render_prompt
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.compiled import use_cache_dir
+from local_runner.config import EngineConfig
+from local_runner.engine import EmbeddedEngine
 from local_runner.grammars import Grammars
 from local_runner.loader import load_model
-from local_runner.runner import Runner, RunnerConfig
 from local_runner.sampling import Sampler
 from proxy.serving.structured import response_format_grammar
 from proxy.serving.tools import ToolCallParser, forced_call_grammar, tool_request
@@ -66,13 +67,13 @@ def grammars() -> dict[str, str | None]:
 
 
 async def run_variant(
-    runner: Runner, compiled: object | None, prompt: list[int], streams: int, tokens: int
+    engine: EmbeddedEngine, compiled: object | None, prompt: list[int], streams: int, tokens: int
 ) -> tuple[float, list[list[str]]]:
     """(decode ms per token over all streams, each stream's text deltas)."""
 
     async def one() -> tuple[float, float, int, list[str]]:
         sampling = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=compiled is None)
-        job = runner.submit(
+        job = engine.submit(
             GenerationRequest(DEFAULT_MODEL_NAME, prompt, sampling, reuse=False, compiled_grammar=compiled)
         )
         first_at, deltas = 0.0, []
@@ -118,10 +119,10 @@ def parse_us_per_token(answers: list[list[str]]) -> float:
 
 async def main_async(args: argparse.Namespace) -> None:
     lm = load_model(DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE, dtype=args.dtype, cache_dir=args.cache_dir)
-    runner = Runner(
-        {DEFAULT_MODEL_NAME: lm}, config=RunnerConfig(max_running=max(args.streams), compile=args.compile)
-    )
-    wait_until(lambda: not runner.steps[DEFAULT_MODEL_NAME].compiling, "the compile", 900, interval=0.5)
+    engine = EmbeddedEngine(
+        {DEFAULT_MODEL_NAME: lm}, config=EngineConfig(max_running=max(args.streams), compile=args.compile)
+    ).start()
+    wait_until(lambda: not engine.steps[DEFAULT_MODEL_NAME].compiling, "the compile", 900, interval=0.5)
     compiler = Grammars(lm)
     compiled = {name: compiler.compile(g) if g else None for name, g in grammars().items()}
     prompt = render_prompt(lm.tokenizer, [{"role": "user", "content": "Write notes about the sea, as JSON."}])
@@ -132,10 +133,10 @@ async def main_async(args: argparse.Namespace) -> None:
     try:
         for streams in args.streams:
             times: dict[str, list[float]] = {name: [] for name in compiled}
-            await run_variant(runner, None, prompt, streams, 8)  # warm the shapes
+            await run_variant(engine, None, prompt, streams, 8)  # warm the shapes
             for _ in range(args.reps):
                 for name, grammar in compiled.items():
-                    ms, texts = await run_variant(runner, grammar, prompt, streams, args.tokens)
+                    ms, texts = await run_variant(engine, grammar, prompt, streams, args.tokens)
                     times[name].append(ms)
                     if name == "tool_call":
                         answers = texts
@@ -153,7 +154,7 @@ async def main_async(args: argparse.Namespace) -> None:
         )
         print(f"hermes tool parsing: {parse_us_per_token(answers):.1f} us per streamed delta")
     finally:
-        runner.close()
+        engine.close()
 
 
 def main() -> None:

@@ -10,15 +10,15 @@
 
 Conversations: long ShareGPT conversations (their user turns, capped at --message-tokens each) and a long
 document sent in parts of --message-tokens ("here is part k, summarise it"). Each is driven through the
-local runner with the model's own greedy answers in a context of --context tokens, truncation on and
-decouple on, so the runner cuts with its headroom as the proxy would. At every turn where the runner
+local engine with the model's own greedy answers in a context of --context tokens, truncation on and
+decouple on, so the engine cuts with its headroom as the proxy would. At every turn where the engine
 moves the kept turns' KV (a position shift T > 0), the same prompt is also run as a full recompute, and:
 
 - quality: with the reused (moved) KV as prefix, and with a recompute of the same prefix, the model
   scores the turn's new tokens and then the recompute's 64-token greedy answer (teacher-forced): top-1
   next-token agreement and mean KL(recompute || reused) over each part, and the length of the common
   prefix of the two greedy answers;
-- TTFT of the turn as the runner serves it (submit to first token), reused vs recompute, interleaved.
+- TTFT of the turn as the engine serves it (submit to first token), reused vs recompute, interleaved.
 
 Targets (issue 12): >= 97% top-1 agreement; TTFT with ~2,000 kept tokens >= 5x faster than recompute.
 """
@@ -37,13 +37,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine_api.prompt import fit_turn
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Finished, FirstToken, GenerationRequest, TextDelta
 from kvtier import KVStore, StoreConfig
+from local_runner.config import EngineConfig
+from local_runner.engine import EmbeddedEngine
 from local_runner.job_kv import JobKV
 from local_runner.kv_cache import job_cache
 from local_runner.loader import LoadedModel, load_model
-from local_runner.runner import Runner, RunnerConfig
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 from .sharegpt import cap_text, default_path, iter_json_array, to_conversation
@@ -71,10 +73,10 @@ class Row:
 
 
 async def run_job(
-    runner: Runner, ids: list[int], answer_tokens: int, **kw
+    engine: EmbeddedEngine, ids: list[int], answer_tokens: int, **kw
 ) -> tuple[float, FirstToken, Finished, str]:
     """(TTFT seconds, first event, end event, answer text) of one greedy job."""
-    job = runner.submit(
+    job = engine.submit(
         GenerationRequest(NAME, ids, SamplingParams(max_tokens=answer_tokens, temperature=0), **kw)
     )
     start = time.monotonic()
@@ -120,7 +122,7 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
 
 def quality(lm: LoadedModel, store: KVStore, ns: str, ids: list[int], reused: int, n_answer: int):
     """Teacher-forced scores of the turn's new tokens and of the recompute's greedy answer: with the
-    reused (moved) KV the runner saved as prefix, and with a recompute of the same prefix."""
+    reused (moved) KV the engine saved as prefix, and with a recompute of the same prefix."""
     answer = greedy(lm, ids, n_answer)  # the recompute's answer (generate recomputes everything)
     tail = ids[reused - 1 :] + answer
     match = store.lookup(ns, ids[: reused - 1], count=False)
@@ -166,17 +168,26 @@ def conversations(args, tokenizer) -> list[tuple[str, list[str]]]:
     return out
 
 
-def drive(args, lm: LoadedModel, runner: Runner, store: KVStore, name: str, messages: list[str]) -> list[Row]:
+def drive(
+    args, lm: LoadedModel, engine: EmbeddedEngine, store: KVStore, name: str, messages: list[str]
+) -> list[Row]:
     rows = []
     history: list[dict] = [SYSTEM]
     keys: list[str] = []
     ns = f"bench-{name}"
     for turn, text in enumerate(messages):
         history.append({"role": "user", "content": text})
-        rendered = runner.render_turn(NAME, history, args.answer_tokens)
+        rendered = fit_turn(
+            engine.tokenizer(NAME),
+            history,
+            model=NAME,
+            limit=engine.context_limit(NAME),
+            reserve=args.answer_tokens,
+            truncate=True,
+        )
         prev = keys if rendered.dropped_messages else []
         ttft, first, end, answer = asyncio.run(
-            run_job(runner, rendered.ids, args.answer_tokens, namespace=ns, session=name, previous_keys=prev)
+            run_job(engine, rendered.ids, args.answer_tokens, namespace=ns, session=name, previous_keys=prev)
         )
         keys = end.chunk_keys
         if not first.position_shift:
@@ -187,7 +198,7 @@ def drive(args, lm: LoadedModel, runner: Runner, store: KVStore, name: str, mess
             )
         if first.position_shift:
             store.flush()
-            ttft_re, *_ = asyncio.run(run_job(runner, rendered.ids, args.answer_tokens, reuse=False))
+            ttft_re, *_ = asyncio.run(run_job(engine, rendered.ids, args.answer_tokens, reuse=False))
             q = quality(lm, store, ns, rendered.ids, first.reused_tokens, args.answer_tokens)
             row = Row(
                 name, turn, len(rendered.ids), first.reused_tokens, first.position_shift,
@@ -235,16 +246,16 @@ def main(argv: list[str] | None = None) -> int:
             lm.layout,
             lm.fingerprint,
         )
-        runner = Runner(
+        engine = EmbeddedEngine(
             {NAME: lm},
             {NAME: store},
-            RunnerConfig(max_context_tokens=args.context, truncate_on_overflow=True, decouple=True),
-        )
+            EngineConfig(max_context_tokens=args.context, truncate_on_overflow=True, decouple=True),
+        ).start()
         try:
             for name, msgs in conversations(args, lm.tokenizer):
-                rows += drive(args, lm, runner, store, name, msgs)
+                rows += drive(args, lm, engine, store, name, msgs)
         finally:
-            runner.close()
+            engine.close()
     if not rows:
         print("no turn was truncated: raise --min-turns / --message-tokens or lower --context")
         return 1

@@ -24,8 +24,9 @@ from transformers import DynamicCache
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Finished, FirstToken, GenerationRequest, TextDelta
 from kvtier import KVStore, StoreConfig
+from local_runner.config import EngineConfig
+from local_runner.engine import EmbeddedEngine
 from local_runner.loader import LoadedModel, load_model, on_passing_thread
-from local_runner.runner import Runner, RunnerConfig
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 MODEL = DEFAULT_MODEL_NAME
@@ -50,10 +51,12 @@ class Stream:
     reused: int = 0
 
 
-async def run_stream(runner: Runner, ids: list[int], decode: int, *, reuse: bool = False, **kw) -> Stream:
+async def run_stream(
+    engine: EmbeddedEngine, ids: list[int], decode: int, *, reuse: bool = False, **kw
+) -> Stream:
     s = Stream(submitted=time.monotonic())
     sampling = SamplingParams(max_tokens=decode, temperature=0)
-    job = runner.submit(GenerationRequest(MODEL, ids, sampling, reuse=reuse, **kw))
+    job = engine.submit(GenerationRequest(MODEL, ids, sampling, reuse=reuse, **kw))
     async for event in job.events():
         now = time.monotonic()
         if isinstance(event, FirstToken):
@@ -78,7 +81,7 @@ def gaps(times: list[float]) -> list[float]:
 
 @torch.inference_mode()
 def plain_batched_limit(lm: LoadedModel, n: int, prompt: int, steps: int = 12) -> float:
-    """Tokens/s of a plain padded batch of n rows decoding at a `prompt`-token cache (no runner)."""
+    """Tokens/s of a plain padded batch of n rows decoding at a `prompt`-token cache (no engine)."""
     ids = torch.tensor([prompt_ids(lm, prompt, 0)] * n, device=lm.device)
     cache = DynamicCache(config=lm.model.config)
     out = lm.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -92,9 +95,9 @@ def plain_batched_limit(lm: LoadedModel, n: int, prompt: int, steps: int = 12) -
     return n / statistics.median(times[2:])
 
 
-async def concurrency_row(runner: Runner, lm: LoadedModel, n: int, prompt: int, decode: int) -> dict:
+async def concurrency_row(engine: EmbeddedEngine, lm: LoadedModel, n: int, prompt: int, decode: int) -> dict:
     streams = await asyncio.gather(
-        *(run_stream(runner, prompt_ids(lm, prompt, i + 100 * n), decode) for i in range(n))
+        *(run_stream(engine, prompt_ids(lm, prompt, i + 100 * n), decode) for i in range(n))
     )
     rate = sum(
         (len(s.token_times) - 1) / (s.token_times[-1] - s.token_times[0])
@@ -119,11 +122,11 @@ async def concurrency_row(runner: Runner, lm: LoadedModel, n: int, prompt: int, 
     }
 
 
-async def long_prompt_arrives(runner: Runner, lm: LoadedModel, long_tokens: int) -> dict:
+async def long_prompt_arrives(engine: EmbeddedEngine, lm: LoadedModel, long_tokens: int) -> dict:
     """4 streams decoding; a new long turn arrives: their inter-token latency meanwhile, and its TTFT."""
-    running = [asyncio.ensure_future(run_stream(runner, prompt_ids(lm, 200, 900 + i), 160)) for i in range(4)]
+    running = [asyncio.ensure_future(run_stream(engine, prompt_ids(lm, 200, 900 + i), 160)) for i in range(4)]
     await asyncio.sleep(1.0)
-    long = await run_stream(runner, prompt_ids(lm, long_tokens, 999), 8)
+    long = await run_stream(engine, prompt_ids(lm, long_tokens, 999), 8)
     streams = await asyncio.gather(*running)
     lo, hi = long.submitted, long.first or long.submitted
     during = [
@@ -139,22 +142,22 @@ async def long_prompt_arrives(runner: Runner, lm: LoadedModel, long_tokens: int)
     }
 
 
-async def hit_ttft(runner: Runner, lm: LoadedModel, with_running: int) -> float:
+async def hit_ttft(engine: EmbeddedEngine, lm: LoadedModel, with_running: int) -> float:
     """TTFT of turn 2 of a conversation whose turn 1 (1,500 tokens + answer) is stored."""
     salt = 5000 + with_running
     first = prompt_ids(lm, 1500, salt)
-    t1 = await run_stream(runner, first, 16, reuse=True, namespace="bench")
+    t1 = await run_stream(engine, first, 16, reuse=True, namespace="bench")
     del t1
-    for store in runner.stores.values():
+    for store in engine.stores.values():
         store.flush()
     turn2 = first + prompt_ids(lm, 200, salt + 1)
     running = [
-        asyncio.ensure_future(run_stream(runner, prompt_ids(lm, 200, 7000 + i), 96))
+        asyncio.ensure_future(run_stream(engine, prompt_ids(lm, 200, 7000 + i), 96))
         for i in range(with_running)
     ]
     if running:
         await asyncio.sleep(1.0)
-    s = await run_stream(runner, turn2, 4, reuse=True, namespace="bench")
+    s = await run_stream(engine, turn2, 4, reuse=True, namespace="bench")
     await asyncio.gather(*running)
     return (s.first or 0) - s.submitted
 
@@ -177,28 +180,28 @@ def run(args: argparse.Namespace) -> None:
             lm.layout,
             lm.fingerprint,
         )
-        runner = Runner(
+        engine = EmbeddedEngine(
             {MODEL: lm},
             {MODEL: store},
-            RunnerConfig(
+            EngineConfig(
                 max_running=max(*args.streams, 8),  # room for the long prompt and the hit beside 4 streams
                 max_queue=64,
                 max_batch_tokens=args.max_batch_tokens,
             ),
-        )
+        ).start()
         try:
-            asyncio.run(run_stream(runner, prompt_ids(lm, 64), 4))  # warm-up
+            asyncio.run(run_stream(engine, prompt_ids(lm, 64), 4))  # warm-up
             print(f"\nprompt {args.prompt} tokens, {args.decode} greedy tokens per stream")
             print(
                 "| streams | aggregate decode tok/s | all decoding tok/s | plain batched limit tok/s | ratio | TTFT p50 s | ITL p50 ms | ITL p99 ms |"
             )
             print("|---|---|---|---|---|---|---|---|")
             for n in args.streams:
-                if args.per_job:  # a runner per row: its thread's OpenMP team ends with it (loader.py)
-                    per_job = Runner(
+                if args.per_job:  # a engine per row: its thread's OpenMP team ends with it (loader.py)
+                    per_job = EmbeddedEngine(
                         {MODEL: lm},
-                        config=RunnerConfig(max_running=max(args.streams), max_queue=64, batch=False),
-                    )
+                        config=EngineConfig(max_running=max(args.streams), max_queue=64, batch=False),
+                    ).start()
                     try:
                         row = asyncio.run(concurrency_row(per_job, lm, n, args.prompt, args.decode))
                     finally:
@@ -207,27 +210,27 @@ def run(args: argparse.Namespace) -> None:
                         f"| {n} one forward per job | {row['tok_s']:.1f} | {row['steady_tok_s']:.1f} | | | "
                         f"{row['ttft_p50']:.2f} | {row['itl_p50'] * 1000:.0f} | {row['itl_p99'] * 1000:.0f} |"
                     )
-                row = asyncio.run(concurrency_row(runner, lm, n, args.prompt, args.decode))
+                row = asyncio.run(concurrency_row(engine, lm, n, args.prompt, args.decode))
                 limit = on_passing_thread(plain_batched_limit, lm, n, args.prompt)  # see its docstring
                 print(
                     f"| {n} | {row['tok_s']:.1f} | {row['steady_tok_s']:.1f} | {limit:.1f} | {row['tok_s'] / limit:.2f} | "
                     f"{row['ttft_p50']:.2f} | {row['itl_p50'] * 1000:.0f} | {row['itl_p99'] * 1000:.0f} |"
                 )
             if args.long:
-                alone = asyncio.run(run_stream(runner, prompt_ids(lm, args.long, 4242), 4))
-                r = asyncio.run(long_prompt_arrives(runner, lm, args.long))
+                alone = asyncio.run(run_stream(engine, prompt_ids(lm, args.long, 4242), 4))
+                r = asyncio.run(long_prompt_arrives(engine, lm, args.long))
                 print(
                     f"\nlong prompt ({args.long} tokens, no reuse): TTFT alone {(alone.first or 0) - alone.submitted:.2f} s, "
                     f"with 4 streams running {r['long_ttft']:.2f} s; the 4 streams' ITL meanwhile "
                     f"p50 {r['itl_p50_during'] * 1000:.0f} ms, p99 {r['itl_p99_during'] * 1000:.0f} ms"
                 )
-                h0 = asyncio.run(hit_ttft(runner, lm, 0))
-                h4 = asyncio.run(hit_ttft(runner, lm, 4))
+                h0 = asyncio.run(hit_ttft(engine, lm, 0))
+                h4 = asyncio.run(hit_ttft(engine, lm, 4))
                 print(
                     f"hit (1,500 reused + 200 new tokens): TTFT alone {h0:.2f} s, with 4 streams running {h4:.2f} s"
                 )
         finally:
-            runner.close()
+            engine.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,8 @@
-"""Local runner speed: prefill and decode tokens/s by prompt length and dtype, and first vs second start.
+"""Local engine speed: prefill and decode tokens/s by prompt length and dtype, and first vs second start.
 
     python -m bench.runner_speed [--tokens 512 2048] [--dtypes float32 bfloat16] [--decode 32] [--reps 3]
 
-The runner's own path is measured (job queue, preallocated cache, sampling), not a bare forward. The
+The engine's own path is measured (job queue, preallocated cache, sampling), not a bare forward. The
 first start converts the GGUF into a fresh cache folder; the second start loads that cache.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Finished, FirstToken, GenerationRequest
+from local_runner.engine import EmbeddedEngine
 from local_runner.loader import LoadedModel, load_model
-from local_runner.runner import Runner
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 TEXT = (
@@ -34,9 +34,9 @@ def prompt_ids(lm: LoadedModel, n: int) -> list[int]:
     return ids[:n]
 
 
-async def one_job(runner: Runner, ids: list[int], decode: int) -> tuple[float, float, int]:
+async def one_job(engine: EmbeddedEngine, ids: list[int], decode: int) -> tuple[float, float, int]:
     """(prefill seconds, decode seconds, decoded tokens) for one greedy job."""
-    job = runner.submit(
+    job = engine.submit(
         GenerationRequest(
             DEFAULT_MODEL_NAME, ids, SamplingParams(max_tokens=decode, temperature=0), reuse=False
         )
@@ -52,13 +52,13 @@ async def one_job(runner: Runner, ids: list[int], decode: int) -> tuple[float, f
 
 
 def measure(lm: LoadedModel, tokens: list[int], decode: int, reps: int) -> list[dict]:
-    runner = Runner({DEFAULT_MODEL_NAME: lm})
+    engine = EmbeddedEngine({DEFAULT_MODEL_NAME: lm}).start()
     rows = []
     try:
-        asyncio.run(one_job(runner, prompt_ids(lm, 64), 4))  # warm-up
+        asyncio.run(one_job(engine, prompt_ids(lm, 64), 4))  # warm-up
         for n in tokens:
             ids = prompt_ids(lm, n)
-            samples = [asyncio.run(one_job(runner, ids, decode)) for _ in range(reps)]
+            samples = [asyncio.run(one_job(engine, ids, decode)) for _ in range(reps)]
             prefill = statistics.median(s[0] for s in samples)
             decode_rate = statistics.median((s[2] - 1) / s[1] for s in samples if s[2] > 1 and s[1] > 0)
             rows.append(
@@ -71,7 +71,7 @@ def measure(lm: LoadedModel, tokens: list[int], decode: int, reps: int) -> list[
                 }
             )
     finally:
-        runner.close()
+        engine.close()
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Two store switches measured on the runner (no HTTP): `preload.overlap_with_compute` and
+"""Two store switches measured on the engine (no HTTP): `preload.overlap_with_compute` and
 `scheduler_aware.placement_hint`, each variant interleaved with the other in one run.
 
     python -m bench.tier_policies [--history 2000] [--reps 5]
@@ -24,8 +24,9 @@ import torch
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Finished, FirstToken, GenerationRequest
 from kvtier import KVStore, StoreConfig
+from local_runner.config import EngineConfig
+from local_runner.engine import EmbeddedEngine
 from local_runner.loader import LoadedModel, load_model
-from local_runner.runner import Runner, RunnerConfig
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 from .runner_batch import prompt_ids
@@ -34,13 +35,15 @@ MODEL = DEFAULT_MODEL_NAME
 MB = 1 << 20
 
 
-async def turn(runner: Runner, ids: list[int], n: int, session: str) -> tuple[float, int, dict[str, int]]:
+async def turn(
+    engine: EmbeddedEngine, ids: list[int], n: int, session: str
+) -> tuple[float, int, dict[str, int]]:
     """(TTFT s, reused tokens, reused tokens per tier) of one greedy turn."""
     req = GenerationRequest(
         MODEL, ids, SamplingParams(max_tokens=n, temperature=0), namespace="bench", session=session
     )
     started = time.monotonic()
-    job = runner.submit(req)
+    job = engine.submit(req)
     ttft, reused, tiers = 0.0, 0, {}
     async for event in job.events():
         if isinstance(event, FirstToken):
@@ -50,24 +53,24 @@ async def turn(runner: Runner, ids: list[int], n: int, session: str) -> tuple[fl
     return ttft, reused, tiers
 
 
-def open_runner(lm: LoadedModel, path: Path, *, l0: int, l1: int, overlap: bool, hint: str) -> Runner:
+def open_runner(lm: LoadedModel, path: Path, *, l0: int, l1: int, overlap: bool, hint: str) -> EmbeddedEngine:
     store = KVStore(
         StoreConfig(l0, l1, 8 << 30, path, device=lm.device, placement_hint=hint, drop_page_cache=True),
         lm.layout,
         lm.fingerprint,
     )
-    return Runner({MODEL: lm}, {MODEL: store}, RunnerConfig(overlap_with_compute=overlap))
+    return EmbeddedEngine({MODEL: lm}, {MODEL: store}, EngineConfig(overlap_with_compute=overlap)).start()
 
 
 def second_turn_ttft(
-    runner: Runner, lm: LoadedModel, history: int, salt: int
+    engine: EmbeddedEngine, lm: LoadedModel, history: int, salt: int
 ) -> tuple[float, int, dict[str, int]]:
     first = prompt_ids(lm, history, salt)
-    asyncio.run(turn(runner, first, 16, f"s{salt}"))
-    for store in runner.stores.values():
+    asyncio.run(turn(engine, first, 16, f"s{salt}"))
+    for store in engine.stores.values():
         store.flush()
     second = first + prompt_ids(lm, 200, salt + 1)
-    return asyncio.run(turn(runner, second, 4, f"s{salt}"))
+    return asyncio.run(turn(engine, second, 4, f"s{salt}"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,6 @@
-"""The embedded engine's one typed config: every option of a `Runner` (nano-vllm's `Config`), checked once
-when it is made. proxy/local/build.py fills it from settings.json; tests and benchmarks make their own."""
+"""The embedded engine's one typed config: every option of an `EmbeddedEngine` (nano-vllm's `Config`),
+checked once when it is made. proxy/local/build.py fills it from settings.json; tests and benchmarks make
+their own."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class RunnerConfig:
+class EngineConfig:
     max_queue: int = 16  # jobs waiting for a slot; past it a submit is refused (429 above)
     max_running: int = 4  # jobs in one batched step (the KV slots of each model's pool)
     lookahead: int = 1  # queued turns whose stored KV is prefetched (0: none)
@@ -36,4 +37,4 @@ class RunnerConfig:
             at_least["max_context_tokens"] = 1
         for name, low in at_least.items():
             if getattr(self, name) < low:
-                raise ValueError(f"RunnerConfig.{name} must be at least {low}, not {getattr(self, name)}")
+                raise ValueError(f"EngineConfig.{name} must be at least {low}, not {getattr(self, name)}")

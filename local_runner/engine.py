@@ -1,45 +1,68 @@
-"""The embedded engine: the model steps, the KV pools, the stores, the scheduler and the worker loop,
-configured by one `RunnerConfig` and started explicitly (nano-vllm's `LLMEngine`).
+"""The embedded engine: the served models run in this process, one step at a time (nano-vllm's `LLMEngine`).
 
-`runner.Runner` is the proxy's thin facade over it (rendering, submission, stats); this class is what
-runs a turn. The loop itself (schedule -> run -> postprocess) is `worker.Worker`'s; the engine gives it
-everything that needs the models or the stores through the worker's hooks (`worker.EngineHooks`):
-starting a job, the stores' view of the queue, memory pressure and the forward.
+`EmbeddedEngine` implements the engine interface the serving layer calls (`engine_api.engine.Engine`)
+and owns everything that runs a turn: each model's step (`model_step.ModelStep`, with its KV pool), the
+KV stores, the scheduler and the worker thread. A turn is submitted (`run`; tests and benchmarks call
+`submit` and read the `Job`'s events), and the worker thread calls `step()` while there is work:
+
+    schedule     admit waiting jobs that fit (round-robin between clients) and start them (lookup,
+                 restore into their slot); tell the stores what the queue looks like and prefetch the
+                 look-ahead window (store_hints.py); plan the step (scheduler.py)
+    run          one forward per model for the step's work: packed (every job of the model in one
+                 forward, decoding jobs attending in one call per layer) or one forward per job for other
+                 architectures; a forward that fails is retried, or ends its jobs only, never the worker
+    postprocess  each job takes its tokens (sample, stream text, stop); jobs that ended go to the save
+                 hand-off (save_handoff.py), a thread of its own, so a step never waits on a save or a
+                 restore settling
+
+Compute never runs on the event loop: `run` and `submit` only queue a job; its events reach the loop
+through the outbox, one wake-up per step (jobs.py).
 
 Ownership (who writes what; everything else only reads):
-- the engine: `steps`, `pools`, `stores`, `scheduler`, the worker, `counters` and `_rope`, all made in
-  the constructor and never replaced, so any thread may read them (each guards what changes inside);
-- the hooks, on the worker's thread only: `_queued_matches`;
-- the scheduler: the queue, the running jobs and their counters (see scheduler.py).
+- the engine: `steps`, `pools`, `stores`, `scheduler`, `counters`, `outbox`, the store hints and the
+  save hand-off, all made in the constructor and never replaced, so any thread may read them (each
+  guards what changes inside); `_results`, on the worker's thread only (run fills it, postprocess
+  empties it);
+- the scheduler: the queue, the running jobs and their counters (scheduler.py);
+- each job's state: its own fields (job_state.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import dataclasses
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
-from engine_api.turn import GenerationRequest
-from kvtier import KVStore, PrefixMatch, Schedule, available_memory_bytes
+from engine_api.errors import QueueFull, counts_as_hit
+from engine_api.stats import EngineStats
+from engine_api.turn import Event, Failed, Finished, GenerationRequest
+from kvtier import KVLoadError, KVStore, available_memory_bytes
 
-from .config import RunnerConfig
+from .config import EngineConfig
+from .grammars import Grammars
 from .job_state import JobState, Status
-from .jobs import Job
+from .jobs import Job, Outbox
 from .kv_slots import SlotPool
 from .loader import LoadedModel
 from .model_step import ModelStep
 from .realign import ShiftStats
 from .rope_config import rope_shift_for
 from .rope_shift import RopeShift
+from .save_handoff import SaveHandoff
 from .scheduler import Scheduler, SchedulerConfig
 from .step import Work
-from .worker import Worker
+from .store_hints import StoreHints
 
 log = logging.getLogger("attnstore.runner")
+
+# One job's work in a step, as the scheduler plans it.
+StepItem = tuple[JobState, Work]
 
 
 class EngineCounters:
@@ -64,23 +87,22 @@ class EngineCounters:
             return self._forked_tokens
 
 
-class Engine:
-    """Owns the steps, pools, stores, scheduler and the worker; implements the worker's hooks.
+class EmbeddedEngine:
+    """Built in two steps so that the worker's thread never sees a half-made engine: the constructor
+    makes everything, `start()` starts the worker (its warm-up runs on that thread). `stop()` ends the
+    worker and fails the jobs it had; `close()` also closes the stores and frees the pools."""
 
-    Built in two steps so that the worker's thread never sees a half-made engine: the constructor makes
-    everything, `start()` starts the loop (its warm-up runs on that thread). `stop()` ends the loop and
-    fails the jobs it had; `close()` also closes the stores and frees the pools."""
+    record_tier = "l0"  # a finished turn's KV stays in the engine's device tier
 
     def __init__(
         self,
         models: Mapping[str, LoadedModel],
         stores: Mapping[str, KVStore] | None = None,
-        config: RunnerConfig | None = None,
+        config: EngineConfig | None = None,
     ) -> None:
-        self.config = config = config or RunnerConfig()
+        self.config = config = config or EngineConfig()
         self.models = dict(models)
         self.stores = dict(stores or {})
-        self._queued_matches: dict[int, PrefixMatch] = {}  # id(job) -> its stored prefix, while queued
         # decouple: a truncated turn moves the kept turns' stored KV to its new positions, for models whose
         # RoPE allows an exact move; the others recompute after a truncation (said once, here).
         self._rope: dict[str, RopeShift] = {}
@@ -92,6 +114,7 @@ class Engine:
                 else:
                     log.info("model %s: truncated turns recompute (no position shift): %s", name, rope)
         self.counters = EngineCounters()
+        self.grammars = {name: Grammars(lm) for name, lm in self.models.items()}
         self.steps = {
             name: ModelStep.prepare(
                 lm,
@@ -115,7 +138,15 @@ class Engine:
             batch_invariant=config.batch_invariant,
         )
         self.scheduler = Scheduler(scheduling, self.pools, self._job_bytes)
-        self._worker = Worker(self.scheduler, self)
+        self.hints = StoreHints(
+            self.stores, lookahead=config.lookahead, scheduler_aware=config.scheduler_aware
+        )
+        self.handoff = SaveHandoff(self.scheduler)
+        self.outbox = Outbox()  # the events of a step, handed to the event loop once per step
+        # What this step's forwards fed and the logits they gave, per job (worker's thread only).
+        self._results: list[tuple[JobState, list[int], torch.Tensor | None]] = []
+        self._worker = threading.Thread(target=self._serve, name="attnstore-runner", daemon=True)
+        self.outbox.thread = self._worker
 
     def _context_cap(self, lm: LoadedModel) -> int:
         limit = lm.max_context
@@ -124,73 +155,195 @@ class Engine:
 
     # -- life -----------------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self) -> EmbeddedEngine:
         """Start the worker's thread (once): it warms every step up, then serves the queue."""
         self._worker.start()
+        return self
 
-    def stop(self) -> None:
-        """End the loop: jobs not ended fail, pending saves finish. The stores and pools stay open."""
-        self._worker.close()
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the worker: jobs not ended fail, pending saves finish. The stores and pools stay open."""
+        for job in self.scheduler.stop():
+            job.emit(Failed("the local runner stopped"))
+        if self._worker.ident is not None:  # started
+            self._worker.join(timeout)
+        self.handoff.close()
 
     def close(self) -> None:
+        """The worker stops and the stores' pending L2 writes finish (a restart finds every chunk)."""
         self.stop()
         for store in self.stores.values():
             store.close()
         for pool in self.pools.values():
             pool.close()
 
-    # -- what the facade asks -------------------------------------------------------------------------
+    async def aclose(self) -> None:
+        return None  # nothing held on the event loop
+
+    def _serve(self) -> None:
+        """The worker's thread: every step warmed up once, then a step while there is work."""
+        try:
+            for step in self.steps.values():
+                step.warm_up(step.forward)
+        except Exception:  # a slower first request is all a failed warm-up costs
+            log.warning("warm-up failed", exc_info=True)
+        while self.scheduler.wait_for_work():
+            self.step()
+        self.outbox.flush()
+
+    # -- what the serving layer asks ------------------------------------------------------------------
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    def tokenizer(self, model: str) -> PreTrainedTokenizerBase:
+        return self.models[model].tokenizers.get()
 
     def context_limit(self, model: str) -> int:
         """Prompt + answer tokens a job may hold: the model's context, or less where the config (or, on
         CUDA, the device memory for its KV slots) says so."""
         return self.pools[model].capacity
 
+    def max_context_tokens(self) -> int:
+        return max((self.context_limit(m) for m in self.models), default=0)
+
+    def fingerprint(self, model: str) -> str:
+        return self.models[model].fingerprint[:10]
+
+    def load(self) -> int:
+        return self.scheduler.queue_depth() + self.scheduler.running_count()
+
+    def describe(self) -> dict[str, Any]:
+        """Per served model: where and how it runs (for /healthz)."""
+        return {name: step.describe() for name, step in self.steps.items()}
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the queue and of every model's store; safe from any thread (the stores lock
+        themselves), but it may wait on a store's lock, so call it off the event loop."""
+        scheduler = self.scheduler.counts()
+        shifted_turns, shifted_tokens = self.counters.shift_stats.snapshot()
+        return EngineStats(
+            queued=scheduler.queued,
+            running=self.scheduler.running_count(),
+            cancelled=scheduler.cancelled,
+            stores={name: store.stats() for name, store in self.stores.items()},
+            shifted_turns=shifted_turns,
+            shifted_tokens=shifted_tokens,
+            admitted=scheduler.admitted,
+            queue_wait_seconds=scheduler.queue_wait_seconds,
+            waiting_clients=scheduler.waiting_clients,
+            forked_tokens=self.counters.forked_tokens,
+        )
+
+    def forget_session(self, tenant: str, session: str) -> int:
+        """Drop one tenant's session from every model's store; returns the chunks dropped. Blocking."""
+        return sum(store.forget_session(tenant, session) for store in self.stores.values())
+
+    def reusable_tokens(self, request: GenerationRequest) -> int:
+        """Prompt tokens of this request whose KV is stored now (a look, not counted as a hit or miss).
+        Blocking (the store's lock, perhaps a file header): call it off the event loop."""
+        store = self.stores.get(request.model)
+        if store is None or not request.reuse:
+            return 0
+        ids = request.prompt_ids[:-1]
+        return store.lookup(request.namespace, ids, hint_keys=request.hint_keys, count=False).tokens
+
+    async def run(self, gen: GenerationRequest, *, may_overflow: bool) -> AsyncGenerator[Event, None]:
+        """The turn's events (engine_api.engine.Engine.run). Its grammar is compiled for the model first.
+        Cost-aware routing's look: when the upstream could serve the turn (`may_overflow`) it is looked
+        up first, and a hit (counts_as_hit) that finds the queue full takes the place of a waiting miss,
+        which goes upstream instead (its first event is `queue_full`, raised here as QueueFull), so hits
+        stay where they are cheap."""
+        if gen.sampling.grammar is not None:
+            compiled = await asyncio.to_thread(self.grammars[gen.model].compile, gen.sampling.grammar)
+            gen = dataclasses.replace(gen, compiled_grammar=compiled)
+        hit = False
+        if may_overflow:
+            reusable = await asyncio.to_thread(self.reusable_tokens, gen)
+            hit = counts_as_hit(reusable, len(gen.prompt_ids))
+            gen = dataclasses.replace(gen, may_overflow=not hit)
+        job = self.submit(gen, hit=hit)  # QueueFull / OverShare: the serving layer answers them
+        try:
+            async for event in job.events():
+                if isinstance(event, Failed) and event.code == "queue_full":  # a hit took its place
+                    raise QueueFull(event.message)
+                yield event
+        finally:
+            if not job.done:
+                job.cancel()
+
     def submit(
-        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, *, hit: bool = False
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None, *, hit: bool = False
     ) -> Job:
-        """Queue a job in its client's queue (the scheduler's QueueFull / OverShare). Its answer is capped
-        so that prompt + answer fit the model's context (`Job.max_tokens`; the request is not changed:
-        it is its caller's)."""
+        """Queue a job in its client's queue (admission.py: QueueFull when nothing can take it, OverShare
+        past the client's share while others wait). `hit`: its KV is stored here; at a full queue it may
+        take the place of a waiting miss the upstream can serve. Its answer is capped so that prompt +
+        answer fit the model's context (`Job.max_tokens`; the request is not changed: it is its
+        caller's). `loop`: where its events go (the running loop when not given)."""
         room = self.context_limit(request.model) - len(request.prompt_ids)
         job = Job(
             request,
-            loop,
+            loop or asyncio.get_running_loop(),
             max_tokens=max(1, min(request.sampling.max_tokens, room)),
             on_cancel=self.scheduler.drop_waiting,
-            outbox=self._worker.outbox,
+            outbox=self.outbox,
         )
         self.scheduler.submit(job, hit=hit)
         return job
 
-    @property
-    def running(self) -> int:
-        """Jobs computing now (not those whose save hand-off is still under way)."""
-        return self.scheduler.running_count()
+    # -- one step (the worker's thread) ---------------------------------------------------------------
 
-    # -- the worker's hooks (worker.EngineHooks), on the worker's thread ------------------------------
+    def step(self) -> None:
+        """Schedule, run, postprocess; the step's events go to the event loop at its end."""
+        try:
+            self._schedule()
+            plan = self.scheduler.plan()
+            if plan:
+                self._run(plan)
+            self._postprocess()
+        finally:
+            self.outbox.flush()
 
-    def warmup(self) -> None:
-        """Per model: compile the packed step where wanted, then run each kind of step once
-        (ModelStep.warm_up), so the first client pays for neither."""
-        for name, step in self.steps.items():
-            step.warm_up(functools.partial(self._forward, name))
+    def _schedule(self) -> None:
+        for job, pool, slot in self.scheduler.admit():
+            self.hints.admitted(job)
+            self.scheduler.started(self._start(job, pool, slot))
+        self.hints.update(self.scheduler.running, self.scheduler.window())
+        self.scheduler.end_cancelled()
 
-    def run(self, items: list[tuple[JobState, Work]]) -> list[torch.Tensor | None]:
-        """One forward over the step's work (every item is of one model)."""
-        return self._forward(items[0][0].job.request.model, [w for _, w in items])
+    def _start(self, job: Job, pool: SlotPool, slot: int) -> JobState | None:
+        """A job taken from the queue: refuse it (memory pressure), or look its prefix up and start its
+        restore. A device out of memory while starting demotes L0 and retries once."""
+        if job.cancelled:  # its client left while it was being admitted
+            job.emit(Finished("cancelled", len(job.request.prompt_ids), 0, 0))
+            pool.release(slot)
+            return None
+        refusal = self._memory_refusal(job)
+        if refusal is not None:
+            job.emit(Failed(refusal, status=503, code="memory_pressure"))
+            pool.release(slot)
+            return None
+        for attempt in (1, 2):
+            state = None
+            try:
+                state = self._job_state(job, pool, slot)
+                state.begin()
+                return state
+            except torch.OutOfMemoryError:
+                _abandon(state)
+                if attempt == 1 and self._free_device_memory():
+                    continue
+                job.emit(
+                    Failed("the device is out of memory; retry later", status=503, code="memory_pressure")
+                )
+            except Exception as exc:
+                log.exception("could not start a job")
+                _abandon(state)
+                job.emit(Failed(f"could not start: {exc}"))
+            break
+        self.handoff.release_after_restore(pool, slot, state)
+        return None
 
-    def _forward(self, model: str, work: list[Work]) -> list[torch.Tensor | None]:
-        return self.steps[model].forward(work)
-
-    def packed(self, state: JobState) -> bool:
-        return self.steps[state.job.request.model].packed
-
-    def _job_bytes(self, job: Job) -> int:
-        req = job.request
-        return (len(req.prompt_ids) + job.max_tokens) * self.models[req.model].layout.bytes_per_token
-
-    def start_job(self, job: Job, pool: SlotPool, slot: int) -> JobState:
+    def _job_state(self, job: Job, pool: SlotPool, slot: int) -> JobState:
         req = job.request
         source = self._fork_source(req, pool)
         if source is not None:
@@ -216,44 +369,81 @@ class Engine:
                 return state
         return None
 
-    def _queued_match(self, job: Job) -> PrefixMatch | None:
-        """A queued job's stored prefix, looked up once (not counted: its own lookup, when it runs, is
-        the hit or miss)."""
-        req = job.request
-        store = self.stores.get(req.model)
-        if store is None or not req.reuse:
-            return None
-        match = self._queued_matches.get(id(job))
-        if match is None:
-            match = store.lookup(req.namespace, req.prompt_ids[:-1], hint_keys=req.hint_keys, count=False)
-            self._queued_matches[id(job)] = match
-        return match
+    def _run(self, plan: list[StepItem]) -> None:
+        by_model: dict[str, list[StepItem]] = {}
+        for item in plan:
+            by_model.setdefault(item[0].job.request.model, []).append(item)
+        for model, items in by_model.items():
+            if self.steps[model].packed:
+                self._run_packed(items)
+            else:
+                for item in items:
+                    self._run_isolated([item])
 
-    def prefetch(self, job: Job) -> None:
-        match = self._queued_match(job)
-        if match is not None and match.tokens:
-            self.stores[job.request.model].prefetch(match)
+    def _run_packed(self, items: list[StepItem]) -> None:
+        try:
+            self._forward(items)
+        except torch.OutOfMemoryError:
+            freed = self._free_device_memory()
+            for item in items:
+                if freed:
+                    self._run_isolated([item])
+                else:
+                    item[0].fail(
+                        MemoryError("the device is out of memory"), status=503, code="memory_pressure"
+                    )
+        except KVLoadError:
+            # A job running alone on a restore that failed mid-way: it recomputes; the step is redone.
+            for state, _ in items:
+                if state.restored is not None:
+                    state.recompute(KVLoadError("restore failed"))
+        except Exception as exc:
+            if len(items) == 1:  # nothing to isolate: this job is the failing one
+                items[0][0].fail(exc)
+                return
+            log.warning("a batched step failed; running its jobs one by one to find the failing one")
+            for item in items:
+                self._run_isolated([item])
 
-    def publish_queue(self, prefilling: list[JobState], pending: list[Job]) -> None:
-        """The queue as each model's store sees it: chunks of jobs still restoring or prefilling and of
-        the look-ahead window are protected; other queued jobs' chunks go from the back of the queue."""
-        if not (self.config.scheduler_aware and self.stores):
+    def _run_isolated(self, items: list[StepItem]) -> None:
+        """One job's work alone. A device out of memory demotes L0 (with evict_on_pressure) and runs it
+        once more before the job fails."""
+        state = items[0][0]
+        for attempt in (1, 2):
+            try:
+                self._forward(items)
+            except KVLoadError as exc:
+                state.recompute(exc)
+            except torch.OutOfMemoryError:
+                if attempt == 1 and self._free_device_memory():
+                    continue
+                state.fail(MemoryError("the device is out of memory"), status=503, code="memory_pressure")
+            except Exception as exc:  # a bug ends this job only, never the worker
+                state.fail(exc)
             return
-        waiting = {id(j) for j in pending}
-        self._queued_matches = {k: m for k, m in self._queued_matches.items() if k in waiting}
-        for name, store in self.stores.items():
-            running = [
-                [c.key for c in s.match.chunks]
-                for s in prefilling
-                if s.match is not None and s.job.request.model == name
-            ]
-            queue = []
-            for job in pending:
-                match = self._queued_match(job) if job.request.model == name else None
-                queue.append([c.key for c in match.chunks] if match is not None else [])
-            store.set_schedule(Schedule.from_queue(running, queue, self.config.lookahead))
 
-    def admission_error(self, job: Job) -> str | None:
+    def _forward(self, items: list[StepItem]) -> None:
+        """One forward over the items' work (every item is of one model); the logits kept for postprocess."""
+        logits = self.steps[items[0][0].job.request.model].forward([work for _, work in items])
+        self._results += [(state, work.tokens, row) for (state, work), row in zip(items, logits, strict=True)]
+
+    def _postprocess(self) -> None:
+        results, self._results = self._results, []
+        for state, fed, logits in results:
+            state.advance(fed, logits)  # sample, stream text, stop (never raises: a failure ends the job)
+        ended = self.scheduler.ended()
+        if ended:  # their last text goes to the loop before the save hand-off can send `Finished`
+            self.outbox.flush()
+        for state in ended:
+            self.handoff.save(state)
+
+    # -- memory pressure ------------------------------------------------------------------------------
+
+    def _job_bytes(self, job: Job) -> int:
+        req = job.request
+        return (len(req.prompt_ids) + job.max_tokens) * self.models[req.model].layout.bytes_per_token
+
+    def _memory_refusal(self, job: Job) -> str | None:
         """Before a job's buffers are allocated: is the machine short of memory (below the configured
         free memory, whatever the tier capacities say)? With evict_on_pressure the stores drop memory
         copies of chunks that are safe on disk and the job runs; without, it is refused (503)."""
@@ -283,7 +473,7 @@ class Engine:
             f"{min_free // mb} MB kept free); retry later"
         )
 
-    def free_device_memory(self) -> bool:
+    def _free_device_memory(self) -> bool:
         """A CUDA out-of-memory in a step: with evict_on_pressure, demote L0 (the device tier) and let
         the step run again; without, the job fails (503)."""
         if not self.config.evict_on_pressure:
@@ -291,3 +481,9 @@ class Engine:
         freed = sum(store.shed_device_memory() for store in self.stores.values())
         log.warning("device out of memory: moved %d MB of stored KV off the device", freed // (1024 * 1024))
         return freed > 0
+
+
+def _abandon(state: JobState | None) -> None:
+    """A job that could not start lets go of its pins now (not when the garbage collector runs)."""
+    if state is not None:
+        state.release_pins()

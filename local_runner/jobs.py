@@ -1,6 +1,6 @@
 """A submitted turn inside the embedded engine (`Job`) and how its events reach the event loop.
 
-The worker thread produces events; the request handler consumes them on the event loop. The hand-over
+The engine's worker thread produces events; the request handler consumes them on the event loop. The hand-over
 is `loop.call_soon_threadsafe(queue.put_nowait, event)`, so the worker never blocks on a slow client.
 Events the worker thread emits during a step go through its `Outbox`: one wake-up of the event loop per
 step for all jobs, instead of one per job and token (each wake-up is the event loop taking a core from
@@ -76,7 +76,7 @@ class Job:
 
     def cancel(self) -> None:
         """Called from the event loop when the client goes away: a waiting job leaves the queue at once
-        (the runner's `on_cancel`), a running one is dropped at the worker's next step."""
+        (`on_cancel`: the scheduler's), a running one is dropped at the worker's next step."""
         if self._cancelled.is_set():
             return
         self._cancelled.set()

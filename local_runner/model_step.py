@@ -1,6 +1,6 @@
-"""How one loaded model computes a runner's steps: the step's kind (all jobs packed into one forward, or
-one forward per job), its forward (decoder.py's loop, compiled or eager, or transformers'), its dense
-path, its KV pool, and batch invariance. The Runner owns one per model and asks it for nothing else.
+"""How one loaded model computes the embedded engine's steps: the step's kind (all jobs packed into one
+forward, or one forward per job), its forward (decoder.py's loop, compiled or eager, or transformers'),
+its dense path, its KV pool, and batch invariance. The engine owns one per model.
 """
 
 from __future__ import annotations

@@ -11,10 +11,12 @@ import torch
 
 from engine_api.sampling import SamplingParams
 from engine_api.turn import GenerationRequest
+from local_runner.config import EngineConfig
+from local_runner.engine import EmbeddedEngine
 from local_runner.loader import load_model
-from local_runner.runner import Runner, RunnerConfig
 from proxy.settings import DEFAULT_MODEL_SOURCE
 from tests.model_fixture import MODEL, REPO
+from tests.rendering import render
 from tests.test_local_runner_batching import drain
 
 pytestmark = pytest.mark.model
@@ -33,20 +35,20 @@ TOKENS = 12
 
 
 async def alone_and_together(lm, *, batch_invariant: bool) -> tuple[list[str], list[str]]:
-    """The 8 questions' greedy answers served one at a time, then all 8 at once, by a runner of 8 slots."""
-    runner = Runner(
-        {MODEL: lm}, config=RunnerConfig(max_running=8, max_queue=8, batch_invariant=batch_invariant)
-    )
+    """The 8 questions' greedy answers served one at a time, then all 8 at once, by a engine of 8 slots."""
+    engine = EmbeddedEngine(
+        {MODEL: lm}, config=EngineConfig(max_running=8, max_queue=8, batch_invariant=batch_invariant)
+    ).start()
 
     def submit(ids: list[int]):
-        return runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=TOKENS, temperature=0)))
+        return engine.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=TOKENS, temperature=0)))
 
     try:
-        prompts = [runner.render(MODEL, [{"role": "user", "content": q}]) for q in QUESTIONS]
+        prompts = [render(engine, MODEL, [{"role": "user", "content": q}]).ids for q in QUESTIONS]
         alone = [(await drain(submit(p))).text for p in prompts]
         together = [o.text for o in await asyncio.gather(*(drain(submit(p)) for p in prompts))]
     finally:
-        runner.close()
+        engine.close()
     return alone, together
 
 
@@ -71,10 +73,10 @@ async def test_eight_answers_served_together_equal_each_served_alone(models, dty
 
 
 async def test_the_default_engine_answers_as_alone(smollm):
-    """The default RunnerConfig is batch-invariant: the session's shared model (float32 here) served 8 at
+    """The default EngineConfig is batch-invariant: the session's shared model (float32 here) served 8 at
     once answers as alone, its linear layers measured row-invariant."""
-    assert RunnerConfig().batch_invariant
-    alone, together = await alone_and_together(smollm, batch_invariant=RunnerConfig().batch_invariant)
+    assert EngineConfig().batch_invariant
+    alone, together = await alone_and_together(smollm, batch_invariant=EngineConfig().batch_invariant)
     assert smollm.rows_invariant
     assert together == alone
 
@@ -147,12 +149,12 @@ async def test_every_turn_from_stored_kv_equals_a_recompute_through_the_tiers(mo
         lm.layout,
         lm.fingerprint,
     )
-    runner = Runner({MODEL: lm}, {MODEL: store}, RunnerConfig(max_running=4, max_queue=8))
-    assert runner.steps[MODEL].batch_invariant  # the default
+    engine = EmbeddedEngine({MODEL: lm}, {MODEL: store}, EngineConfig(max_running=4, max_queue=8)).start()
+    assert engine.steps[MODEL].batch_invariant  # the default
 
     def submit(ids: list[int], **kw):
         sampling = SamplingParams(max_tokens=TOKENS, temperature=0)
-        return runner.submit(GenerationRequest(MODEL, ids, sampling, **kw))
+        return engine.submit(GenerationRequest(MODEL, ids, sampling, **kw))
 
     turns = {"short": 3, "long": 8, "other": 8}
     histories: dict[str, list[dict[str, str]]] = {name: [] for name in turns}
@@ -164,7 +166,7 @@ async def test_every_turn_from_stored_kv_equals_a_recompute_through_the_tiers(mo
                     continue
                 history = histories[session]
                 history.append({"role": "user", "content": QUESTIONS[(turn + len(session)) % len(QUESTIONS)]})
-                ids = runner.render(MODEL, history)
+                ids = render(engine, MODEL, history).ids
                 reused = await drain(submit(ids, session=session))
                 if turn:
                     assert reused.first.reused_tokens > 0, (session, turn)
@@ -174,5 +176,5 @@ async def test_every_turn_from_stored_kv_equals_a_recompute_through_the_tiers(mo
                 history.append({"role": "assistant", "content": reused.text})
                 await asyncio.sleep(0.2)  # the turn's KV is saved in the background
     finally:
-        runner.close()
+        engine.close()
     assert {"l1", "l2"} <= tiers, tiers  # the small fast tiers sent histories down the hierarchy

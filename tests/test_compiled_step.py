@@ -16,10 +16,12 @@ from torch import nn
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Finished, GenerationRequest
 from kvtier import KVStore, StoreConfig
+from local_runner.config import EngineConfig
+from local_runner.engine import EmbeddedEngine
 from local_runner.loader import load_model
-from local_runner.runner import Runner, RunnerConfig
 from proxy.settings import DEFAULT_MODEL_SOURCE
 from tests.model_fixture import MODEL, REPO
+from tests.rendering import render
 from tests.support.waiting import wait_until
 from tests.test_local_runner_batching import drain
 from tests.tiny_model import tiny_llama, tiny_loaded
@@ -36,7 +38,7 @@ LAYERS = 8  # of SmolLM2's 30: the compile's time grows with the layers, the cod
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """A runner compiling a model of its own (the session's shared model is packed for eager steps,
+    """A engine compiling a model of its own (the session's shared model is packed for eager steps,
     which a compiled step cannot take), with a store, once its compile is done."""
     full = load_model(
         MODEL, DEFAULT_MODEL_SOURCE, device="cpu", dtype="float32", cache_dir=REPO / "var" / "models"
@@ -58,34 +60,34 @@ def compiled(tmp_path_factory):
         lm.layout,
         lm.fingerprint,
     )
-    runner = Runner(
+    engine = EmbeddedEngine(
         {MODEL: lm},
         {MODEL: store},
-        RunnerConfig(max_running=4, max_queue=8, compile=True, batch_invariant=False),
-    )
-    wait_until(lambda: not runner.steps[MODEL].compiling, "the compile", 600, interval=0.5)
-    yield runner
-    runner.close()
+        EngineConfig(max_running=4, max_queue=8, compile=True, batch_invariant=False),
+    ).start()
+    wait_until(lambda: not engine.steps[MODEL].compiling, "the compile", 600, interval=0.5)
+    yield engine
+    engine.close()
 
 
-def generate(runner: Runner, ids: list[int]) -> list[int]:
+def generate(engine: EmbeddedEngine, ids: list[int]) -> list[int]:
     """transformers' own greedy decoding of the same model (the reference)."""
-    model = runner.models[MODEL].model
+    model = engine.models[MODEL].model
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False)
     return out[0, len(ids) :].tolist()
 
 
-def submit(runner: Runner, ids: list[int], **kw):
+def submit(engine: EmbeddedEngine, ids: list[int], **kw):
     sampling = SamplingParams(max_tokens=TOKENS, temperature=0)
-    return runner.submit(GenerationRequest(MODEL, ids, sampling, **kw))
+    return engine.submit(GenerationRequest(MODEL, ids, sampling, **kw))
 
 
 @pytest.mark.model
 async def test_compiled_answers_equal_generate_alone_and_four_at_once(compiled):
     status = compiled.steps[MODEL].describe()["compiled"]
     assert str(status).startswith("compiled in"), status  # not a silent fallback to the eager step
-    prompts = [compiled.render(MODEL, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts = [render(compiled, MODEL, [{"role": "user", "content": q}]).ids for q in QUESTIONS]
     alone = [await drain(submit(compiled, p, reuse=False)) for p in prompts]
     together = await asyncio.gather(*(drain(submit(compiled, p, reuse=False)) for p in prompts))
     tokenizer = compiled.models[MODEL].tokenizer
@@ -98,9 +100,9 @@ async def test_compiled_answers_equal_generate_alone_and_four_at_once(compiled):
 @pytest.mark.model
 async def test_compiled_second_turn_from_stored_kv_equals_a_recompute(compiled):
     history = [{"role": "user", "content": "Tell me about the moon."}]
-    first = await drain(submit(compiled, compiled.render(MODEL, history), session="moon"))
+    first = await drain(submit(compiled, render(compiled, MODEL, history).ids, session="moon"))
     history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And the sun?"}]
-    ids = compiled.render(MODEL, history)
+    ids = render(compiled, MODEL, history).ids
     await asyncio.sleep(0.5)  # the first turn's KV is saved asynchronously
     reused = await drain(submit(compiled, ids, session="moon"))
     recomputed = await drain(submit(compiled, ids, reuse=False))
@@ -117,40 +119,40 @@ async def test_compiled_second_turn_from_stored_kv_equals_a_recompute(compiled):
 )
 async def test_a_step_that_cannot_compile_runs_eagerly_saying_why(options, reason):
     lm = tiny_loaded("tiny", model=tiny_llama(seed=3))
-    runner = Runner(
-        {"tiny": lm}, config=RunnerConfig(**{"compile": True, "batch_invariant": False, **options})
-    )
+    engine = EmbeddedEngine(
+        {"tiny": lm}, config=EngineConfig(**{"compile": True, "batch_invariant": False, **options})
+    ).start()
     try:
-        status = str(runner.steps["tiny"].describe()["compiled"])
+        status = str(engine.steps["tiny"].describe()["compiled"])
         assert status.startswith("eager (") and reason in status
-        job = runner.submit(
+        job = engine.submit(
             GenerationRequest("tiny", [5, 9, 13], SamplingParams(max_tokens=4, temperature=0))
         )
         assert isinstance((await drain(job)).end, Finished)  # it answers, eagerly
-        assert runner.steps["tiny"].lm.dense is not None  # the eager dense path was prepared
+        assert engine.steps["tiny"].lm.dense is not None  # the eager dense path was prepared
     finally:
-        runner.close()
+        engine.close()
 
 
 async def test_a_model_packed_by_an_eager_runner_is_not_compiled_by_a_later_one():
     lm = tiny_loaded("tiny", model=tiny_llama(seed=3))
-    Runner({"tiny": lm}).close()  # packs the linear layers for its eager step
-    runner = Runner({"tiny": lm}, config=RunnerConfig(compile=True, batch_invariant=False))
+    EmbeddedEngine({"tiny": lm}).start().close()  # packs the linear layers for its eager step
+    engine = EmbeddedEngine({"tiny": lm}, config=EngineConfig(compile=True, batch_invariant=False)).start()
     try:
-        status = str(runner.steps["tiny"].describe()["compiled"])
+        status = str(engine.steps["tiny"].describe()["compiled"])
         assert "already packed" in status
     finally:
-        runner.close()
+        engine.close()
 
 
 async def test_jobs_are_served_eagerly_while_the_step_compiles():
-    """A runner answers at once after start: its first jobs run on the eager step while the compile
+    """A engine answers at once after start: its first jobs run on the eager step while the compile
     runs on its own thread, and the step switches to the compiled one when that is ready."""
     lm = tiny_loaded("tiny", model=tiny_llama(seed=6))
-    runner = Runner({"tiny": lm}, config=RunnerConfig(compile=True, batch_invariant=False))
+    engine = EmbeddedEngine({"tiny": lm}, config=EngineConfig(compile=True, batch_invariant=False)).start()
     try:
-        step = runner.steps["tiny"]
-        job = runner.submit(
+        step = engine.steps["tiny"]
+        job = engine.submit(
             GenerationRequest("tiny", [5, 9, 13], SamplingParams(max_tokens=4, temperature=0))
         )
         first = await drain(job)
@@ -158,8 +160,8 @@ async def test_jobs_are_served_eagerly_while_the_step_compiles():
         wait_until(lambda: not step.compiling, "the compile", 600, interval=0.2)
         assert str(step.describe()["compiled"]).startswith("compiled in"), step.describe()
         again = await drain(
-            runner.submit(GenerationRequest("tiny", [5, 9, 13], SamplingParams(max_tokens=4, temperature=0)))
+            engine.submit(GenerationRequest("tiny", [5, 9, 13], SamplingParams(max_tokens=4, temperature=0)))
         )
         assert again.text == first.text  # float32: the compiled step answers as the eager one did
     finally:
-        runner.close()
+        engine.close()

@@ -1,5 +1,5 @@
 """Issues 13 and 18 with the local model: an oversized prompt is refused before tokenizing, one client may
-use idle capacity, clients share the queue fairly, and the runner refuses past running + queue (issue 18)."""
+use idle capacity, clients share the queue fairly, and the engine refuses past running + queue (issue 18)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(local_proxy, fake
 
 def test_without_an_upstream_an_oversized_body_is_refused_before_it_is_read(local_proxy):
     server = local_proxy()
-    runner = server.app[LOCAL_BACKEND].engine.runner
-    limit = runner.context_limit(MODEL) * 64 + 64 * 1024
+    engine = server.app[LOCAL_BACKEND].engine
+    limit = engine.context_limit(MODEL) * 64 + 64 * 1024
     huge = {"model": MODEL, "messages": [{"role": "user", "content": "a" * (limit + 1)}], "max_tokens": 2}
     r = http_request("POST", server.url + URL, huge, timeout=60)
     assert r.status == 413 and r.json()["error"]["code"] == "request_too_large"
@@ -125,7 +125,7 @@ async def test_a_client_past_its_share_gets_429_with_retry_after_while_another_w
     async with aiohttp.ClientSession() as s:
         running = await s.post(server.url + URL, json={**counting(0), "stream": True}, headers=a)
         assert running.status == 200  # A's first runs; A's next two fill the queue
-        runner = server.app[LOCAL_BACKEND].engine.runner
+        engine = server.app[LOCAL_BACKEND].engine
         queued = []
         for i in (1, 2):  # one after the other, so which is A's newest is not left to the network
             queued.append(
@@ -133,7 +133,7 @@ async def test_a_client_past_its_share_gets_429_with_retry_after_while_another_w
                     s.post(server.url + URL, json={**counting(i), "stream": True}, headers=a)
                 )
             )
-            await until(lambda n=i: len(runner.waiting_jobs()) == n)
+            await until(lambda n=i: len(engine.scheduler.window()) == n)
         b = {"Authorization": "Bearer client-b"}
         b_task = asyncio.ensure_future(
             s.post(server.url + URL, json={**counting(3), "stream": True}, headers=b)

@@ -12,9 +12,10 @@ import torch
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Failed, Finished, FirstToken, GenerationRequest, TextDelta
 from kvtier import KVStore, StoreConfig
+from local_runner.config import EngineConfig
+from local_runner.engine import EmbeddedEngine
 from local_runner.job_kv import JobKV
 from local_runner.jobs import Job
-from local_runner.runner import Runner, RunnerConfig
 from local_runner.step import Work, run_per_job
 from tests.tiny_model import tiny_llama, tiny_loaded
 
@@ -83,9 +84,9 @@ async def drain(job: Job, on_delta=None) -> Outcome:
     return out
 
 
-def submit(runner: Runner, model: str, ids: list[int], max_tokens: int, **kw) -> Job:
+def submit(engine: EmbeddedEngine, model: str, ids: list[int], max_tokens: int, **kw) -> Job:
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, stop=kw.pop("stop", []))
-    return runner.submit(GenerationRequest(model, ids, sampling, **kw))
+    return engine.submit(GenerationRequest(model, ids, sampling, **kw))
 
 
 async def test_eight_jobs_joining_at_different_steps_equal_each_alone(lm, model, tmp_path):
@@ -106,13 +107,13 @@ async def test_eight_jobs_joining_at_different_steps_equal_each_alone(lm, model,
     prompts = [ids_of(lm, p) for p in PROMPTS]
     expected = [greedy_alone(lm, p, n) for p in prompts]
 
-    runner = Runner(
-        {"tiny": lm, "tiny-eos": eos_lm}, {"tiny": store}, RunnerConfig(max_running=8, max_queue=8)
-    )
+    engine = EmbeddedEngine(
+        {"tiny": lm, "tiny-eos": eos_lm}, {"tiny": store}, EngineConfig(max_running=8, max_queue=8)
+    ).start()
     try:
         # Turn 1 of two conversations, alone: their KV is stored for the reuse below.
         for i in (1, 5):
-            done = await drain(submit(runner, "tiny", prompts[i], n))
+            done = await drain(submit(engine, "tiny", prompts[i], n))
             assert done.end is not None and isinstance(done.end, Finished)
         store.flush()
         # Turn 2 of those conversations: the stored prompt + answer + a new question.
@@ -123,10 +124,10 @@ async def test_eight_jobs_joining_at_different_steps_equal_each_alone(lm, model,
         eos_token = expected[2][5]
         eos_lm.eos_token_ids = frozenset({eos_token})
         early = [
-            submit(runner, "tiny", prompts[0], n),
-            submit(runner, "tiny", prompts[3], n, stop=[stop_at]),
-            submit(runner, "tiny-eos", prompts[2], n),
-            submit(runner, "tiny", prompts[4], 200),  # cancelled mid-way
+            submit(engine, "tiny", prompts[0], n),
+            submit(engine, "tiny", prompts[3], n, stop=[stop_at]),
+            submit(engine, "tiny-eos", prompts[2], n),
+            submit(engine, "tiny", prompts[4], 200),  # cancelled mid-way
         ]
         late_ready = asyncio.Event()
         late_submitted = asyncio.Event()
@@ -147,16 +148,16 @@ async def test_eight_jobs_joining_at_different_steps_equal_each_alone(lm, model,
         ]
         await late_ready.wait()  # the others join while these are decoding
         late = [
-            submit(runner, "tiny", turn2[0], n),
-            submit(runner, "tiny", turn2[1], n),
-            submit(runner, "tiny", prompts[6], n),
-            submit(runner, "tiny", prompts[7], n),
+            submit(engine, "tiny", turn2[0], n),
+            submit(engine, "tiny", turn2[1], n),
+            submit(engine, "tiny", prompts[6], n),
+            submit(engine, "tiny", prompts[7], n),
         ]
         late_submitted.set()
         drains += [asyncio.ensure_future(drain(j)) for j in late]
         results = await asyncio.gather(*drains)
     finally:
-        runner.close()
+        engine.close()
 
     def text(ids: list[int]) -> str:
         return lm.tokenizer.decode(ids, skip_special_tokens=True)
@@ -177,18 +178,18 @@ async def test_eight_jobs_joining_at_different_steps_equal_each_alone(lm, model,
 
 
 async def test_a_failing_job_fails_alone(lm):
-    runner = Runner({"tiny": lm}, config=RunnerConfig(max_running=4))
+    engine = EmbeddedEngine({"tiny": lm}, config=EngineConfig(max_running=4)).start()
     try:
         good = ids_of(lm, "hello there")
         bad = [lm.model.config.vocab_size + 5] * 3  # no such token: its embedding lookup raises
         jobs = [
-            submit(runner, "tiny", good, 8),
-            submit(runner, "tiny", bad, 8),
-            submit(runner, "tiny", good, 8),
+            submit(engine, "tiny", good, 8),
+            submit(engine, "tiny", bad, 8),
+            submit(engine, "tiny", good, 8),
         ]
         a, b, c = await asyncio.gather(*(drain(j) for j in jobs))
     finally:
-        runner.close()
+        engine.close()
     want = lm.tokenizer.decode(greedy_alone(lm, good, 8), skip_special_tokens=True)
     assert isinstance(b.end, Failed)
     assert a.text == want and c.text == want
@@ -197,9 +198,11 @@ async def test_a_failing_job_fails_alone(lm):
 async def test_a_job_that_does_not_fit_the_kv_budget_waits(lm):
     ids = ids_of(lm, "a prompt of some length")
     per_job = (len(ids) + 16) * lm.layout.bytes_per_token
-    runner = Runner({"tiny": lm}, config=RunnerConfig(max_running=4, kv_budget_bytes=int(per_job * 1.5)))
+    engine = EmbeddedEngine(
+        {"tiny": lm}, config=EngineConfig(max_running=4, kv_budget_bytes=int(per_job * 1.5))
+    ).start()
     try:
-        first, second = submit(runner, "tiny", ids, 16), submit(runner, "tiny", ids, 16)
+        first, second = submit(engine, "tiny", ids, 16), submit(engine, "tiny", ids, 16)
         done_when_second_started: list[bool] = []
 
         async def watch(job: Job) -> None:
@@ -209,21 +212,21 @@ async def test_a_job_that_does_not_fit_the_kv_budget_waits(lm):
 
         await asyncio.gather(drain(first), watch(second))
     finally:
-        runner.close()
+        engine.close()
     assert done_when_second_started == [True]
 
 
 async def test_cancelling_frees_the_slot_for_a_queued_job(lm):
-    runner = Runner({"tiny": lm}, config=RunnerConfig(max_running=1, max_queue=2))
+    engine = EmbeddedEngine({"tiny": lm}, config=EngineConfig(max_running=1, max_queue=2)).start()
     try:
-        long = submit(runner, "tiny", ids_of(lm, "go on"), 400)
+        long = submit(engine, "tiny", ids_of(lm, "go on"), 400)
         events = long.events()
         assert isinstance(await anext(events), FirstToken)
-        waiting = submit(runner, "tiny", ids_of(lm, "short"), 4)
+        waiting = submit(engine, "tiny", ids_of(lm, "short"), 4)
         long.cancel()
         rest = [e async for e in events]
         done = await drain(waiting)
     finally:
-        runner.close()
+        engine.close()
     assert isinstance(rest[-1], Finished) and rest[-1].finish_reason == "cancelled"
     assert isinstance(done.end, Finished) and done.end.finish_reason in ("length", "stop")

@@ -1,4 +1,4 @@
-"""The runner's queue drives the tiers (tiny random Llama, a real store on disk): window jobs' KV is
+"""The engine's queue drives the tiers (tiny random Llama, a real store on disk): window jobs' KV is
 fetched before they run, memory pressure sheds stored KV or refuses, and a restore can be awaited."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import torch
 
 from engine_api.turn import Failed, Finished
 from kvtier import KVStore, StoreConfig
-from local_runner.runner import Runner, RunnerConfig
+from local_runner.config import EngineConfig
+from local_runner.engine import EmbeddedEngine
 from tests.support.waiting import async_wait_until
 from tests.test_local_runner_batching import drain, greedy_alone, ids_of, submit
 from tests.tiny_model import tiny_llama, tiny_loaded
@@ -25,12 +26,12 @@ def open_store(lm, path, l0=MB, l1=MB, chunk=16) -> KVStore:
 async def store_turn(lm, path, ids, n) -> None:
     """Turn 1 alone, saved to L2; the store is closed, so only the disk holds it afterwards."""
     store = open_store(lm, path)
-    runner = Runner({"tiny": lm}, {"tiny": store})
+    engine = EmbeddedEngine({"tiny": lm}, {"tiny": store}).start()
     try:
-        done = await drain(submit(runner, "tiny", ids, n))
+        done = await drain(submit(engine, "tiny", ids, n))
         assert isinstance(done.end, Finished)
     finally:
-        runner.close()
+        engine.close()
 
 
 async def test_a_window_jobs_kv_is_fetched_from_disk_while_another_job_runs(tmp_path):
@@ -40,12 +41,12 @@ async def test_a_window_jobs_kv_is_fetched_from_disk_while_another_job_runs(tmp_
     answer = greedy_alone(lm, first, 12)
     second = first + answer + ids_of(lm, " more?")
     store = open_store(lm, tmp_path)  # a restart: the conversation is in L2 only
-    runner = Runner({"tiny": lm}, {"tiny": store}, RunnerConfig(max_running=1, lookahead=1))
+    engine = EmbeddedEngine({"tiny": lm}, {"tiny": store}, EngineConfig(max_running=1, lookahead=1)).start()
     try:
-        long_job = submit(runner, "tiny", ids_of(lm, "keep talking"), 300)
+        long_job = submit(engine, "tiny", ids_of(lm, "keep talking"), 300)
         events = long_job.events()
         await anext(events)  # running: the next job waits in the queue, inside the window
-        waiting = submit(runner, "tiny", second, 8)
+        waiting = submit(engine, "tiny", second, 8)
 
         async def prefetch_issued() -> bool:
             return store.stats().prefetch_issued > 0
@@ -57,7 +58,7 @@ async def test_a_window_jobs_kv_is_fetched_from_disk_while_another_job_runs(tmp_
         turn2 = await drain(waiting)
         stats = store.stats()
     finally:
-        runner.close()
+        engine.close()
     assert turn2.first is not None and turn2.first.reused_tokens > 0
     assert turn2.first.tiers["l2"] == 0  # nothing was read from disk on the critical path
     assert stats.prefetch_completed > 0 and stats.prefetch_used == stats.prefetch_completed
@@ -69,23 +70,23 @@ async def test_memory_pressure_sheds_stored_kv_or_refuses(tmp_path):
     ids = ids_of(lm, "pressure test prompt")
     for evict in (True, False):
         store = open_store(lm, tmp_path / str(evict))
-        calm = Runner({"tiny": lm}, {"tiny": store})
+        calm = EmbeddedEngine({"tiny": lm}, {"tiny": store}).start()
         await drain(submit(calm, "tiny", ids, 8))  # stored in L0 and on disk
-        calm.engine.stop()  # its stores stay open for the next runner
+        calm.stop()  # its stores stay open for the next engine
         store.flush()
         before = store.stats()
         # An impossible amount of memory to keep free: the machine is "short" for every job.
-        runner = Runner(
+        engine = EmbeddedEngine(
             {"tiny": lm},
             {"tiny": store},
-            RunnerConfig(evict_on_pressure=evict, min_free_memory_bytes=1 << 50),
-        )
+            EngineConfig(evict_on_pressure=evict, min_free_memory_bytes=1 << 50),
+        ).start()
         try:
-            out = await drain(submit(runner, "tiny", ids_of(lm, "another prompt"), 4))
+            out = await drain(submit(engine, "tiny", ids_of(lm, "another prompt"), 4))
             after = store.stats()
             where = store.lookup("anonymous", ids, count=False).tier  # the first prompt's KV
         finally:
-            runner.close()
+            engine.close()
         if evict:
             assert isinstance(out.end, Finished)
             assert after.evictions > before.evictions and where == "l2"  # dropped from memory, kept on disk
@@ -101,11 +102,13 @@ async def test_without_overlap_a_job_waits_for_its_restore_and_answers_the_same(
     second = first + greedy_alone(lm, first, 10) + ids_of(lm, " and?")
     for overlap in (True, False):
         store = open_store(lm, tmp_path)
-        runner = Runner({"tiny": lm}, {"tiny": store}, RunnerConfig(overlap_with_compute=overlap))
+        engine = EmbeddedEngine(
+            {"tiny": lm}, {"tiny": store}, EngineConfig(overlap_with_compute=overlap)
+        ).start()
         try:
-            out = await drain(submit(runner, "tiny", second, 8))
+            out = await drain(submit(engine, "tiny", second, 8))
         finally:
-            runner.close()
+            engine.close()
         assert out.first is not None and out.first.tiers["l2"] > 0
         assert out.text == lm.tokenizer.decode(greedy_alone(lm, second, 8), skip_special_tokens=True)
 
@@ -115,14 +118,14 @@ async def test_a_turn_that_ends_on_its_first_step_still_saves_its_kv(tmp_path):
     still settling saves its prompt's KV all the same: the next turn finds it."""
     lm = tiny_loaded(model=tiny_llama(seed=14))
     store = open_store(lm, tmp_path)
-    runner = Runner({"tiny": lm}, {"tiny": store})
+    engine = EmbeddedEngine({"tiny": lm}, {"tiny": store}).start()
     try:
         first = ids_of(lm, "one word answers only please")
-        await drain(submit(runner, "tiny", first, 6))
+        await drain(submit(engine, "tiny", first, 6))
         for n in range(5):
             second = first + ids_of(lm, f" and number {n}?")
-            out = await drain(submit(runner, "tiny", second, 1))
+            out = await drain(submit(engine, "tiny", second, 1))
             assert out.first is not None and out.first.reused_tokens > 0
             assert store.lookup("anonymous", second, count=False).tokens == len(second)
     finally:
-        runner.close()
+        engine.close()

@@ -1,4 +1,4 @@
-"""Truncation and positional decoupling in the runner, on the tiny random Llama (no real model).
+"""Truncation and positional decoupling in the engine, on the tiny random Llama (no real model).
 
 - The cut is stable: a growing conversation cuts rarely, and every turn between cuts starts with the
   previous turn's prompt (an ordinary prefix hit).
@@ -16,8 +16,10 @@ from engine_api.prompt import ANSWER_ROOM, HEADROOM, fit_history, render_prompt
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Finished, FirstToken, GenerationRequest, TextDelta
 from kvtier import KVStore, StoreConfig
+from local_runner.config import EngineConfig
+from local_runner.engine import EmbeddedEngine
 from local_runner.realign import find_realignment
-from local_runner.runner import Runner, RunnerConfig
+from tests.rendering import render
 from tests.tiny_model import tiny_llama, tiny_loaded, tiny_tokenizer
 
 LIMIT = 240
@@ -79,8 +81,10 @@ def store_for(lm, tmp_path) -> KVStore:
     )
 
 
-async def run(runner: Runner, ids: list[int], ns: str, previous_keys=()) -> tuple[str, FirstToken, Finished]:
-    job = runner.submit(
+async def run(
+    engine: EmbeddedEngine, ids: list[int], ns: str, previous_keys=()
+) -> tuple[str, FirstToken, Finished]:
+    job = engine.submit(
         GenerationRequest(
             "tiny",
             ids,
@@ -101,21 +105,21 @@ async def run(runner: Runner, ids: list[int], ns: str, previous_keys=()) -> tupl
     return "".join(text), first, end
 
 
-async def converse_until_truncated(runner: Runner, ns: str):
-    """Turns with the runner's own answers until one drops history; returns that turn's
+async def converse_until_truncated(engine: EmbeddedEngine, ns: str):
+    """Turns with the engine's own answers until one drops history; returns that turn's
     (prompt ids, FirstToken) and the turn after it."""
     history, keys, out = [SYSTEM], [], []
     for i in range(30):
         history.append(user(i))
-        rendered = runner.render_turn("tiny", history, reserve=8)
-        answer, first, end = await run(runner, rendered.ids, ns, keys if rendered.dropped_messages else ())
+        rendered = render(engine, "tiny", history, reserve=8)
+        answer, first, end = await run(engine, rendered.ids, ns, keys if rendered.dropped_messages else ())
         out.append((rendered, first))
         history.append({"role": "assistant", "content": answer})
         keys = end.chunk_keys
         if len(out) >= 2 and out[-2][0].dropped_messages == 0 and rendered.dropped_messages:
             history.append(user(100))
-            nxt = runner.render_turn("tiny", history, reserve=8)
-            _, first_next, _ = await run(runner, nxt.ids, ns, keys)
+            nxt = render(engine, "tiny", history, reserve=8)
+            _, first_next, _ = await run(engine, nxt.ids, ns, keys)
             return rendered.ids, first, nxt, first_next
     raise AssertionError("never truncated")
 
@@ -129,13 +133,13 @@ def layer0(store: KVStore, ns: str, ids: list[int], n: int) -> tuple[torch.Tenso
 
 async def test_truncated_turn_moves_the_kept_kv_like_a_recompute(lm, tmp_path):
     store = store_for(lm, tmp_path)
-    runner = Runner(
+    engine = EmbeddedEngine(
         {"tiny": lm},
         {"tiny": store},
-        RunnerConfig(max_context_tokens=LIMIT, truncate_on_overflow=True, decouple=True),
-    )
+        EngineConfig(max_context_tokens=LIMIT, truncate_on_overflow=True, decouple=True),
+    ).start()
     try:
-        ids, first, nxt, first_next = await converse_until_truncated(runner, "a")
+        ids, first, nxt, first_next = await converse_until_truncated(engine, "a")
         assert first.position_shift > 0
         system_len = len(render_prompt(lm.tokenizer, [SYSTEM]))
         assert first.reused_tokens > system_len
@@ -143,9 +147,9 @@ async def test_truncated_turn_moves_the_kept_kv_like_a_recompute(lm, tmp_path):
         # The turn after is a plain prefix hit on the saved truncated sequence.
         assert nxt.ids[: len(ids)] == ids and first_next.position_shift == 0
         assert first_next.reused_tokens >= len(ids)
-        assert runner.stats().shifted_turns == 1 and runner.stats().shifted_tokens > 0
+        assert engine.stats().shifted_turns == 1 and engine.stats().shifted_tokens > 0
         # A recompute of the truncated prompt by another tenant (nothing to reuse there).
-        _, other, _ = await run(runner, ids, "b")
+        _, other, _ = await run(engine, ids, "b")
         assert other.reused_tokens == 0 and other.position_shift == 0
         n = first.reused_tokens
         k_moved, v_moved = layer0(store, "a", ids, n)
@@ -154,20 +158,20 @@ async def test_truncated_turn_moves_the_kept_kv_like_a_recompute(lm, tmp_path):
         assert float((v_moved - v_exact).norm() / v_exact.norm()) <= 1e-5
         assert float((k_moved - k_exact).norm() / k_exact.norm()) <= 1e-4
     finally:
-        runner.close()
+        engine.close()
 
 
 async def test_without_decouple_a_truncated_turn_recomputes(lm, tmp_path):
     store = store_for(lm, tmp_path)
-    runner = Runner(
+    engine = EmbeddedEngine(
         {"tiny": lm},
         {"tiny": store},
-        RunnerConfig(max_context_tokens=LIMIT, truncate_on_overflow=True, decouple=False),
-    )
+        EngineConfig(max_context_tokens=LIMIT, truncate_on_overflow=True, decouple=False),
+    ).start()
     try:
-        ids, first, nxt, first_next = await converse_until_truncated(runner, "a")
+        ids, first, nxt, first_next = await converse_until_truncated(engine, "a")
         # Only the common prefix (the system prompt and the "<user>Question " the dropped turn began with).
         assert first.position_shift == 0 and first.reused_tokens < len(ids) // 3
-        assert first_next.reused_tokens >= len(ids) and runner.stats().shifted_turns == 0
+        assert first_next.reused_tokens >= len(ids) and engine.stats().shifted_turns == 0
     finally:
-        runner.close()
+        engine.close()

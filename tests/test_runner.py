@@ -1,4 +1,4 @@
-"""The local runner on the real model, without HTTP: exact greedy output, stops, limits, scheduling."""
+"""The local engine on the real model, without HTTP: exact greedy output, stops, limits, scheduling."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from engine_api.errors import QueueFull
 from engine_api.prompt import PromptError
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Failed, Finished, FirstToken, GenerationRequest, TextDelta
-from local_runner.runner import Runner, RunnerConfig
+from local_runner.config import EngineConfig
+from local_runner.engine import EmbeddedEngine
 from tests.model_fixture import MODEL
+from tests.rendering import render
 
 pytestmark = pytest.mark.model
 
@@ -20,15 +22,15 @@ COLORS = [{"role": "user", "content": "Name three colors."}]
 
 
 @pytest.fixture
-def runner(smollm):
-    r = Runner({MODEL: smollm}, config=RunnerConfig(max_queue=2, max_running=2))
+def engine(smollm):
+    r = EmbeddedEngine({MODEL: smollm}, config=EngineConfig(max_queue=2, max_running=2)).start()
     yield r
     r.close()
 
 
-async def run_job(runner: Runner, messages, **sampling):
-    ids = runner.render(MODEL, messages)
-    job = runner.submit(GenerationRequest(MODEL, ids, SamplingParams(**sampling)))
+async def run_job(engine: EmbeddedEngine, messages, **sampling):
+    ids = render(engine, MODEL, messages).ids
+    job = engine.submit(GenerationRequest(MODEL, ids, SamplingParams(**sampling)))
     text, first, end = [], None, None
     async for event in job.events():
         if isinstance(event, TextDelta):
@@ -40,8 +42,8 @@ async def run_job(runner: Runner, messages, **sampling):
     return "".join(text), first, end, ids
 
 
-async def test_greedy_output_equals_model_generate(runner, smollm):
-    text, first, end, ids = await run_job(runner, COLORS, max_tokens=24, temperature=0)
+async def test_greedy_output_equals_model_generate(engine, smollm):
+    text, first, end, ids = await run_job(engine, COLORS, max_tokens=24, temperature=0)
     with torch.inference_mode():
         out = smollm.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
     expected = smollm.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
@@ -50,33 +52,33 @@ async def test_greedy_output_equals_model_generate(runner, smollm):
     assert isinstance(end, Finished) and end.prompt_tokens == len(ids)
 
 
-async def test_max_tokens_ends_with_length(runner):
-    text, _, end, _ = await run_job(runner, COLORS, max_tokens=3, temperature=0)
+async def test_max_tokens_ends_with_length(engine):
+    text, _, end, _ = await run_job(engine, COLORS, max_tokens=3, temperature=0)
     assert end.finish_reason == "length" and end.completion_tokens == 3
     assert text
 
 
-async def test_stop_string_across_tokens_is_cut_and_never_sent(runner):
-    full, *_ = await run_job(runner, COLORS, max_tokens=24, temperature=0)
+async def test_stop_string_across_tokens_is_cut_and_never_sent(engine):
+    full, *_ = await run_job(engine, COLORS, max_tokens=24, temperature=0)
     # A stop string that spans a token boundary in the greedy answer ("\n2" is "\n" then "2").
     assert "\n2" in full
-    text, _, end, _ = await run_job(runner, COLORS, max_tokens=24, temperature=0, stop=["\n2"])
+    text, _, end, _ = await run_job(engine, COLORS, max_tokens=24, temperature=0, stop=["\n2"])
     assert end.finish_reason == "stop"
     assert text == full[: full.index("\n2")]
 
 
-async def test_seeded_sampling_is_reproducible(runner):
-    a, *_ = await run_job(runner, COLORS, max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
-    b, *_ = await run_job(runner, COLORS, max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+async def test_seeded_sampling_is_reproducible(engine):
+    a, *_ = await run_job(engine, COLORS, max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    b, *_ = await run_job(engine, COLORS, max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
     assert a == b
 
 
-async def test_two_jobs_interleave_token_by_token(runner):
+async def test_two_jobs_interleave_token_by_token(engine):
     """A short answer finishes while a long one is still running: they share the worker by token."""
-    long_ids = runner.render(MODEL, [{"role": "user", "content": "Write a long story about a dragon."}])
-    short_ids = runner.render(MODEL, COLORS)
-    long_job = runner.submit(GenerationRequest(MODEL, long_ids, SamplingParams(max_tokens=60, temperature=0)))
-    short_job = runner.submit(
+    long_ids = render(engine, MODEL, [{"role": "user", "content": "Write a long story about a dragon."}]).ids
+    short_ids = render(engine, MODEL, COLORS).ids
+    long_job = engine.submit(GenerationRequest(MODEL, long_ids, SamplingParams(max_tokens=60, temperature=0)))
+    short_job = engine.submit(
         GenerationRequest(MODEL, short_ids, SamplingParams(max_tokens=4, temperature=0))
     )
     order: list[str] = []
@@ -92,9 +94,9 @@ async def test_two_jobs_interleave_token_by_token(runner):
     assert "long" in order[: order.index("short-end")]  # the long one progressed meanwhile
 
 
-async def test_cancel_stops_a_running_job(runner):
-    ids = runner.render(MODEL, [{"role": "user", "content": "Count from one to one thousand."}])
-    job = runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=400, temperature=0)))
+async def test_cancel_stops_a_running_job(engine):
+    ids = render(engine, MODEL, [{"role": "user", "content": "Count from one to one thousand."}]).ids
+    job = engine.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=400, temperature=0)))
     events = job.events()
     assert isinstance(await anext(events), FirstToken)
     job.cancel()
@@ -104,30 +106,30 @@ async def test_cancel_stops_a_running_job(runner):
 
 
 async def test_queue_full_raises(smollm):
-    runner = Runner({MODEL: smollm}, config=RunnerConfig(max_queue=1, max_running=1))
+    engine = EmbeddedEngine({MODEL: smollm}, config=EngineConfig(max_queue=1, max_running=1)).start()
     try:
-        ids = runner.render(MODEL, [{"role": "user", "content": "Count from one to one thousand."}])
-        jobs = [runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=400, temperature=0)))]
+        ids = render(engine, MODEL, [{"role": "user", "content": "Count from one to one thousand."}]).ids
+        jobs = [engine.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=400, temperature=0)))]
         assert isinstance(await anext(jobs[0].events()), FirstToken)  # the first one is running
-        jobs.append(runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=5))))  # waits
+        jobs.append(engine.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=5))))  # waits
         with pytest.raises(QueueFull):
-            runner.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=5)))
+            engine.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=5)))
         for job in jobs:  # one running, one waiting: both end as cancelled, neither as a failure
             job.cancel()
             events = [e async for e in job.events()]
             assert isinstance(events[-1], Finished) and events[-1].finish_reason == "cancelled"
             assert not any(isinstance(e, Failed) for e in events)
     finally:
-        runner.close()
+        engine.close()
 
 
-def test_unsupported_content_and_overlong_prompts_are_refused(runner):
+def test_unsupported_content_and_overlong_prompts_are_refused(engine):
     with pytest.raises(PromptError):
-        runner.render(
-            MODEL, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+        render(
+            engine, MODEL, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
         )
     with pytest.raises(PromptError, match="tokens"):
-        runner.render(MODEL, [{"role": "user", "content": "word " * 9000}])
+        render(engine, MODEL, [{"role": "user", "content": "word " * 9000}])
 
 
 def test_overflowing_history_drops_oldest_turns_when_allowed(smollm):
@@ -138,12 +140,14 @@ def test_overflowing_history_drops_oldest_turns_when_allowed(smollm):
             {"role": "assistant", "content": f"The answer to question {i} is {2 * i}."},
         ]
     history.append({"role": "user", "content": "And the last question?"})
-    strict = Runner({MODEL: smollm}, config=RunnerConfig(max_context_tokens=120))
-    lenient = Runner({MODEL: smollm}, config=RunnerConfig(max_context_tokens=120, truncate_on_overflow=True))
+    strict = EmbeddedEngine({MODEL: smollm}, config=EngineConfig(max_context_tokens=120)).start()
+    lenient = EmbeddedEngine(
+        {MODEL: smollm}, config=EngineConfig(max_context_tokens=120, truncate_on_overflow=True)
+    ).start()
     try:
         with pytest.raises(PromptError, match="tokens"):
-            strict.render(MODEL, history, reserve=16)
-        ids = lenient.render(MODEL, history, reserve=16)
+            render(strict, MODEL, history, reserve=16)
+        ids = render(lenient, MODEL, history, reserve=16).ids
         text = smollm.tokenizer.decode(ids)
         assert len(ids) + 16 <= 120
         assert "Be brief." in text and "And the last question?" in text
@@ -161,16 +165,16 @@ async def test_concurrent_jobs_answer_as_each_alone(smollm):
         "What is 2+2?",
         "List the planets of the solar system in order from the sun.",
     ]
-    runner = Runner({MODEL: smollm}, config=RunnerConfig(max_running=4, max_queue=4))
+    engine = EmbeddedEngine({MODEL: smollm}, config=EngineConfig(max_running=4, max_queue=4)).start()
     try:
         results = await asyncio.gather(
             *(
-                run_job(runner, [{"role": "user", "content": p}], max_tokens=16, temperature=0)
+                run_job(engine, [{"role": "user", "content": p}], max_tokens=16, temperature=0)
                 for p in prompts
             )
         )
     finally:
-        runner.close()
+        engine.close()
     for text, _, end, ids in results:
         with torch.inference_mode():
             out = smollm.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
@@ -178,12 +182,12 @@ async def test_concurrent_jobs_answer_as_each_alone(smollm):
         assert isinstance(end, Finished)
 
 
-async def test_rendering_from_many_threads_while_generating(runner):
+async def test_rendering_from_many_threads_while_generating(engine):
     """The proxy renders prompts on executor threads while the worker decodes: no "Already borrowed"."""
     messages = [{"role": "user", "content": "Tell me about tokenizers and threads."}]
-    expected = runner.render(MODEL, messages)
-    job = asyncio.ensure_future(run_job(runner, COLORS, max_tokens=32, temperature=0))
-    rendered = await asyncio.gather(*(asyncio.to_thread(runner.render, MODEL, messages) for _ in range(16)))
+    expected = render(engine, MODEL, messages).ids
+    job = asyncio.ensure_future(run_job(engine, COLORS, max_tokens=32, temperature=0))
+    rendered = await asyncio.gather(*(asyncio.to_thread(render, engine, MODEL, messages) for _ in range(16)))
     text, _, end, _ = await job
-    assert all(ids == expected for ids in rendered)
+    assert all(r.ids == expected for r in rendered)
     assert text and isinstance(end, Finished)

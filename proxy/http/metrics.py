@@ -165,7 +165,7 @@ class Metrics:
 
 
 class RunnerCollector(Collector):
-    """The local runner's queue as Prometheus sees it, read from `Runner.stats()` at scrape time: jobs
+    """The local engine's queue as Prometheus sees it, read from `Engine.stats()` at scrape time: jobs
     waiting and running now (the dashboard's load panel), jobs admitted and their summed queue wait (rate
     of one over the other: the mean wait), and jobs cancelled by their client. `stats` returns the
     runner's stats object, or None when nothing is served locally (then nothing is exported)."""

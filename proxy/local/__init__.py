@@ -1,5 +1,4 @@
-"""The embedded engine's side of local serving: the adapter that runs turns on `local_runner`
-(`engine.EmbeddedEngine`) and the builder that assembles models, KV stores, runner and the serving layer
-from settings.
+"""Local serving on the embedded engine (`local_runner.engine: "embedded"`), the proxy's side of it: from
+settings to the engine (`local_runner/`) and the serving layer above it (build.py).
 
 Imported only when `local_runner.enabled` (it pulls in torch and transformers)."""

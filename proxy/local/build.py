@@ -1,5 +1,5 @@
-"""Build the local serving stack from settings: models, one KV store per model, the runner, and the
-serving layer above it.
+"""Build the local serving stack from settings: models, one KV store per model, the embedded engine, and
+the serving layer above it.
 
 Model loading is slow the first time (GGUF de-quantization), so it happens before the server listens;
 tests load the model once and pass it in through `models`.
@@ -13,13 +13,13 @@ from pathlib import Path
 from kvtier import KVStore, StoreConfig
 from local_runner import exact_kernel
 from local_runner.compiled import use_cache_dir
+from local_runner.config import EngineConfig
+from local_runner.engine import EmbeddedEngine
 from local_runner.loader import LoadedModel, load_model
-from local_runner.runner import Runner, RunnerConfig
 
 from ..cluster.session_index import SessionIndex
 from ..serving.service import LocalServing, UpstreamFallback
 from ..settings import EmbeddedRunnerSettings, Settings, resolve_path, runner_settings
-from .engine import EmbeddedEngine
 
 MB = 1024 * 1024
 
@@ -72,13 +72,13 @@ def open_stores(
     }
 
 
-def runner_config(settings: Settings) -> RunnerConfig:
-    """The embedded runner's options, every one of them from settings.json."""
+def engine_config(settings: Settings) -> EngineConfig:
+    """The embedded engine's options, every one of them from settings.json."""
     lr = runner_settings(settings, EmbeddedRunnerSettings)
     preload = settings.attention_store.preload
     aware = settings.attention_store.scheduler_aware
     position = settings.attention_store.position_encoding
-    return RunnerConfig(
+    return EngineConfig(
         max_queue=lr.max_queue,
         max_running=lr.max_running,
         max_batch_tokens=lr.max_batch_tokens,
@@ -104,13 +104,13 @@ def build_local_backend(
     overflow: UpstreamFallback | None = None,
     base_dir: Path | None = None,
 ) -> LocalServing:
-    """The stores, the runner (its worker starts here) and the serving layer; `close()` stops them all."""
+    """The stores, the engine (its worker starts here) and the serving layer; `close()` stops them all."""
     lr = runner_settings(settings, EmbeddedRunnerSettings)
     cache_dir = resolve_path(lr.cache_dir, base_dir or Path.cwd())
     exact_kernel.use_cache_dir(cache_dir)
     if lr.compile:
         use_cache_dir(cache_dir / "compiled")
-    runner = Runner(models, open_stores(settings, models, base_dir), runner_config(settings))
+    engine = EmbeddedEngine(models, open_stores(settings, models, base_dir), engine_config(settings)).start()
     return LocalServing.from_settings(
-        EmbeddedEngine(runner), settings, index, overflow=overflow, base_dir=base_dir or Path.cwd()
+        engine, settings, index, overflow=overflow, base_dir=base_dir or Path.cwd()
     )
