@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
+from aiohttp import web
 from msgspec import Meta, Struct, field
 
-from .local_vllm.settings_check import RefusedSetting, check_vllm
+from .settings_vllm import RefusedSetting, check_vllm
 
 NonNegativeMB = Annotated[float, Meta(ge=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
@@ -244,6 +245,9 @@ class Settings(_Strict):
         return os.environ.get(name) or None if name else None
 
 
+# The app's settings, as parsed at start (read-only).
+SETTINGS = web.AppKey("settings", Settings)
+
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _INDEX = re.compile(r"^(memory|(redis|rediss|unix)://.+)$")
 
@@ -283,7 +287,7 @@ def _check_values(s: Settings, base_dir: Path, check_paths: bool) -> None:
     if advertise and not re.match(r"^https?://[^/\s]+/?$", advertise):
         raise SettingsError(f"proxy.advertise_url: {advertise!r} is not an http(s) URL without a path")
     if isinstance(lr, VllmRunnerSettings):
-        try:  # what the vLLM engine would ignore among the values (proxy/local_vllm/settings_check.py)
+        try:  # what the vLLM engine would ignore among the values (settings_vllm.py)
             check_vllm(lr, s.attention_store, check_paths=check_paths)
         except RefusedSetting as exc:
             raise SettingsError(str(exc)) from None

@@ -18,9 +18,9 @@ from aiohttp import web
 
 from proxy.cluster.forwarding import FORWARDED_BY, FORWARDER, forward_target
 from proxy.cluster.session_index import MemorySessionIndex, RedisSessionIndex, ReplicaInfo, SessionRecord
+from proxy.errors import APIError
 from proxy.http.app import build_app
-from proxy.http.app_keys import METRICS
-from proxy.http.errors import APIError
+from proxy.metrics import METRICS
 from proxy.turns.backend import LocalBackend
 from proxy.turns.tenant import tenant_of
 from tests.support.threaded_server import free_port
@@ -32,24 +32,41 @@ TENANT = tenant_of(AUTH)
 MODEL = "local-model"
 
 
+class Load:
+    """The engine as forwarding sees it: its load (jobs queued or running); no prompt bound, no stats."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = jobs
+
+    def load(self) -> int:
+        return self.jobs
+
+    def max_context_tokens(self) -> int:
+        return 0
+
+    def stats(self) -> None:
+        return None
+
+
 class StandIn(LocalBackend):
     """A local backend through the seam: answers a two-event SSE stream, an l0 hit with a TTFT of 1 ms.
     `gate`: the second event waits for it (proves the forwarder streams, not buffers).
     `mode`: "full" answers 503 queue_full, "drop" closes the connection before answering.
-    `load`: the jobs it reports queued or running."""
+    `load`: the jobs its engine reports queued or running."""
 
     def __init__(self, name: str, mode: str = "ok", gate: threading.Event | None = None, load: int = 0):
         self.name = name
         self.mode = mode
         self.gate = gate
-        self.jobs = load
+        self._engine = Load(load)
         self.seen: list[tuple[dict[str, str], bytes, Any]] = []
+
+    @property
+    def engine(self) -> Any:
+        return self._engine
 
     def supports(self, chat) -> str | None:
         return None
-
-    def load(self) -> int:
-        return self.jobs
 
     async def handle(self, request: web.Request, chat, turn) -> web.StreamResponse:
         self.seen.append((dict(request.headers), chat.raw, turn))

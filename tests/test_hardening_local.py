@@ -9,8 +9,8 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.http.app_keys import LOCAL_BACKEND
 from proxy.serving import prompts
+from proxy.turns.backend import LOCAL_BACKEND
 from tests.model_fixture import MODEL
 from tests.servers import http_request
 

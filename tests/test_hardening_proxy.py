@@ -13,8 +13,7 @@ import pytest
 from aiohttp import web
 
 from proxy.cli import main as cli_main
-from proxy.cluster.session_index import SessionRecord
-from proxy.http.app_keys import SESSION_INDEX
+from proxy.cluster.session_index import SESSION_INDEX, SessionRecord
 from proxy.http.limits import check_bind
 from proxy.settings import parse_settings
 from proxy.turns.tenant import tenant_of

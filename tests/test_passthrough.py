@@ -21,7 +21,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.http.metrics import passthrough_path_label
+from proxy.metrics import passthrough_path_label
 from tests.servers import AppServer, http_request
 from tests.support.fake_upstream import ANSWERS, SPEECH_CHUNK, TEXT
 

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.turns.backend import LocalBackend
 from tests.servers import http_request
 from tests.support.waiting import wait_until

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.openai.requests import count_turn
 from proxy.turns.headers import CACHE, TIER_NAMES, cache_label, store_headers
 from proxy.turns.session import prefix_fingerprint, resolve_session
@@ -179,16 +179,30 @@ def _proxy_imports() -> dict[str, set[str]]:
     return {m: {d for d in deps if d.split(".")[0] == "proxy"} for m, deps in _imports("proxy").items()}
 
 
-def test_imports_in_proxy_point_one_way():
-    graph = _proxy_imports()
-    assert "proxy.turns.turn" in graph and "proxy.local.build" in graph and "proxy.serving.service" in graph
-    # A module's imports come before it: repeatedly take the modules whose imports are all taken.
+def _proxy_parts() -> dict[str, set[str]]:
+    """proxy's parts (a subpackage such as proxy.http, or a module of proxy itself such as proxy.settings)
+    -> the other parts they import."""
+    parts: dict[str, set[str]] = {}
+    for module, deps in _proxy_imports().items():
+        part = ".".join(module.split(".")[:2])
+        parts.setdefault(part, set()).update(".".join(d.split(".")[:2]) for d in deps)
+    return {part: deps - {part} for part, deps in parts.items()}
+
+
+def test_every_arrow_in_proxy_points_down():
+    """proxy's parts import each other one way, so they stand in layers, each importing only layers below
+    it: repeatedly take the parts whose imports are all taken. http/ is the roof: only the command line
+    imports it. Only the app reaches into local serving (torch): everything else goes through
+    proxy.turns.backend."""
+    parts = _proxy_parts()
+    assert {"proxy.http", "proxy.serving", "proxy.local", "proxy.errors", "proxy.metrics"} <= parts.keys()
     done: set[str] = set()
-    while len(done) < len(graph):
-        ready = {m for m, deps in graph.items() if m not in done and deps & graph.keys() <= done}
-        assert ready, f"import cycle among {sorted(set(graph) - done)}"
+    while len(done) < len(parts):
+        ready = {p for p, deps in parts.items() if p not in done and deps <= done}
+        assert ready, f"an arrow runs back up among {sorted(set(parts) - done)}"
         done |= ready
-    # Only the app reaches into local serving (torch): everything else goes through proxy.turns.backend.
+    assert {p for p, deps in parts.items() if "proxy.http" in deps} == {"proxy.cli"}
+    graph = _proxy_imports()
     reaching = {m for m, deps in graph.items() if any(d.startswith("proxy.local.") for d in deps)}
     assert {m for m in reaching if not m.startswith("proxy.local")} == {"proxy.http.app"}
 

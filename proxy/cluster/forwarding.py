@@ -31,11 +31,13 @@ from aiohttp import web
 
 from kvtier.tier_names import MEMORY_TIERS  # torch-free: the tier names only
 
-from ..http.app_keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS
+from ..metrics import METRICS
 from ..openai.requests import ApiRequest
 from ..settings import Settings, replica_id
+from ..turns.backend import local_engine
 from ..turns.headers import FORWARDED_BY
 from ..turns.turn import Turn
+from ..upstream.forward import HTTP_CLIENT
 from ..upstream.header_filter import inbound_headers, outbound_headers
 from .session_index import ReplicaInfo, SessionIndex, SessionRecord
 
@@ -193,8 +195,8 @@ def install_forwarding(app: web.Application, settings: Settings, index: SessionI
         return None
 
     def load() -> int:
-        backend = app[LOCAL_BACKEND]
-        return backend.load() if backend is not None else 0
+        engine = local_engine(app)
+        return engine.load() if engine is not None else 0
 
     forwarded = app[METRICS].forwarded
     forwarder = Forwarder(settings, index, load, lambda outcome: forwarded.labels(outcome).inc())

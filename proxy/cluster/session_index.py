@@ -7,8 +7,9 @@ default; Redis shares it across replicas. Redis is a helper, never a dependency 
 fails, the index answers from its local copy, logs one warning, and uses Redis again once it answers.
 The index also keeps the Responses API's stored responses (`put_response`, `get_response`,
 `delete_response`): opaque bytes per tenant and response id, the oldest dropped first past a bound, so
-a follow-up that lands on another replica finds its conversation. Replicas are known through Redis only: without it (or while it is down) no replica knows another, and
-every turn is served where it lands.
+a follow-up that lands on another replica finds its conversation. Replicas are known through Redis
+only: without it (or while it is down) no replica knows another, and every turn is served where it
+lands.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import orjson
+from aiohttp import web
 
 log = logging.getLogger("attnstore.index")
 
@@ -280,3 +282,7 @@ class RedisSessionIndex:
 
 def open_session_index(spec: str) -> SessionIndex:
     return MemorySessionIndex() if spec == "memory" else RedisSessionIndex(spec)
+
+
+# Which replica/tier holds each session's KV: in memory, or Redis shared by replicas.
+SESSION_INDEX: web.AppKey[SessionIndex] = web.AppKey("session_index")

@@ -1,1 +1,2 @@
-"""The HTTP surface: the aiohttp app, its keys, middleware, routes, limits, errors, metrics and log."""
+"""The HTTP surface, the roof of the proxy: the aiohttp app, its middleware and routes, the body and bind
+limits, and the log."""

@@ -12,16 +12,15 @@ import aiohttp
 from aiohttp import web
 
 from ..cluster.forwarding import install_forwarding
-from ..cluster.session_index import MemorySessionIndex, SessionIndex, open_session_index
-from ..settings import Settings, make_l2_folder
-from ..turns.backend import LocalBackend
-from ..upstream.forward import upstream_fallback
-from .app_keys import HTTP_CLIENT, LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
-from .metrics import Metrics, RunnerCollector
+from ..cluster.session_index import SESSION_INDEX, MemorySessionIndex, SessionIndex, open_session_index
+from ..metrics import METRICS, EngineCollector, Metrics
+from ..settings import SETTINGS, Settings, make_l2_folder
+from ..turns.backend import LOCAL_BACKEND, LocalBackend, local_engine
+from ..upstream.forward import HTTP_CLIENT, upstream_fallback
 from .middleware import error_middleware
 from .routes_misc import healthz, list_models
 from .routes_passthrough import PASSTHROUGH_PATH, pass_through
-from .routes_store import forget_session, metrics, stats, store_stats
+from .routes_store import delete_session, metrics, stats, store_stats
 from .routes_turns import chat_completions, completions, create_response, delete_response, get_response
 from .server_log import install_bad_request_log
 
@@ -90,8 +89,8 @@ def build_app(
     app[LOCAL_BACKEND] = None  # until the app starts
     app[SESSION_INDEX] = index or MemorySessionIndex()
     # Read at scrape time, on the thread that renders the metrics (never on the event loop).
-    app[METRICS] = Metrics(lambda: store_stats(app[LOCAL_BACKEND]))
-    app[METRICS].registry.register(RunnerCollector(lambda: b.stats() if (b := app[LOCAL_BACKEND]) else None))
+    app[METRICS] = Metrics(lambda: store_stats(local_engine(app)))
+    app[METRICS].registry.register(EngineCollector(lambda: e.stats() if (e := local_engine(app)) else None))
     app.cleanup_ctx.append(_http_client)
     app.cleanup_ctx.append(_session_index)
     app.cleanup_ctx.append(_local_serving(local))
@@ -107,7 +106,7 @@ def build_app(
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/attention_store/stats", stats)
-    app.router.add_delete("/v1/attention_store/sessions/{session_id}", forget_session)
+    app.router.add_delete("/v1/attention_store/sessions/{session_id}", delete_session)
     # Last: whatever the routes above do not serve goes upstream as it came.
     app.router.add_route("*", PASSTHROUGH_PATH, pass_through)
     return app

@@ -10,11 +10,11 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from ..settings import replica_id
+from ..errors import APIError, error_response
+from ..metrics import METRICS
+from ..settings import SETTINGS, replica_id
 from ..turns.tenant import check_client_auth
 from ..turns.turn import TURN, Turn
-from .app_keys import METRICS, SETTINGS
-from .errors import APIError, error_response
 
 log = logging.getLogger("attnstore")
 

@@ -10,10 +10,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from ..settings import replica_id
-from ..upstream.forward import upstream_url
+from ..settings import SETTINGS, replica_id
+from ..turns.backend import LOCAL_BACKEND
+from ..upstream.forward import HTTP_CLIENT, upstream_url
 from ..upstream.header_filter import outbound_headers
-from .app_keys import HTTP_CLIENT, LOCAL_BACKEND, SETTINGS
 
 log = logging.getLogger("attnstore")
 
@@ -68,5 +68,5 @@ async def healthz(request: web.Request) -> web.Response:
         "local_backend": backend is not None,
     }
     if backend is not None:
-        status["local"] = backend.describe()
+        status["local"] = backend.engine.describe() if backend.engine is not None else {}
     return web.Response(body=orjson.dumps(status), content_type="application/json")

@@ -15,10 +15,9 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from ..settings import Settings
+from ..errors import APIError
+from ..settings import SETTINGS, Settings
 from ..upstream.forward import forward_upstream
-from .app_keys import SETTINGS
-from .errors import APIError
 from .limits import read_body
 
 PASSTHROUGH_PATH = "/v1/{tail:.*}"

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
 
-from ..turns.backend import LocalBackend
-from ..turns.tenant import is_admin, tenant_of
-from .app_keys import LOCAL_BACKEND, METRICS, SESSION_INDEX, SETTINGS
-from .errors import APIError
+from engine_api.engine import Engine
+from engine_api.stats import EngineStats
 
-if TYPE_CHECKING:  # torch loads only when the local runner is enabled
-    from engine_api.stats import EngineStats
+from ..cluster.session_index import SESSION_INDEX
+from ..errors import APIError
+from ..metrics import METRICS
+from ..settings import SETTINGS
+from ..turns.backend import local_engine
+from ..turns.tenant import is_admin, tenant_of
 
 
 def _sum_stats(per_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -35,10 +37,10 @@ def _per_model(snapshot: EngineStats | None) -> dict[str, dict[str, Any]]:
     return {name: s.to_dict() for name, s in snapshot.stores.items()} if snapshot else {}
 
 
-def store_stats(backend: LocalBackend | None) -> dict[str, dict[str, Any]]:
+def store_stats(engine: Engine | None) -> dict[str, dict[str, Any]]:
     """Every model's store stats as JSON-able dicts. Blocking (it takes the stores' locks): call it off
     the event loop."""
-    return _per_model(backend.stats() if backend else None)
+    return _per_model(engine.stats() if engine else None)
 
 
 def _admin(request: web.Request) -> bool:
@@ -58,8 +60,8 @@ async def stats(request: web.Request) -> web.Response:
             "tenant": tenant_of(request.headers),
         }
         return web.Response(body=orjson.dumps(body), content_type="application/json")
-    backend = request.app[LOCAL_BACKEND]
-    snapshot = await asyncio.to_thread(backend.stats) if backend else None
+    engine = local_engine(request.app)
+    snapshot = await asyncio.to_thread(engine.stats) if engine else None
     per_model = _per_model(snapshot)
     body = {
         "enabled": settings.attention_store.enabled,
@@ -83,14 +85,14 @@ async def stats(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
-async def forget_session(request: web.Request) -> web.Response:
+async def delete_session(request: web.Request) -> web.Response:
     """Drop the caller's session (this tenant only) from every tier and from the session index."""
     session = request.match_info["session_id"]
     tenant = tenant_of(request.headers)
-    backend = request.app[LOCAL_BACKEND]
+    engine = local_engine(request.app)
     index = request.app[SESSION_INDEX]
     known = await index.get(tenant, session) is not None
-    dropped = await asyncio.to_thread(backend.forget_session, tenant, session) if backend else 0
+    dropped = await asyncio.to_thread(engine.forget_session, tenant, session) if engine else 0
     await index.forget(tenant, session)
     # deleted: whether this tenant had anything under that session (an unknown one answers false).
     deleted = known or dropped > 0

@@ -17,25 +17,27 @@ import orjson
 from aiohttp import web
 
 from ..cluster.forwarding import FORWARDER
+from ..cluster.session_index import SESSION_INDEX
+from ..errors import APIError
 from ..openai.requests import ApiRequest, CompletionRequest, parse_chat, parse_completion, parse_responses
 from ..openai.responses import new_response_id
 from ..serving.response_store import ResponseStore
+from ..settings import SETTINGS
+from ..turns.backend import LOCAL_BACKEND, local_engine
 from ..turns.routing import choose_route
 from ..turns.session import resolve_session
 from ..turns.tenant import tenant_of
 from ..turns.turn import TURN
 from ..upstream.forward import forward_chat, forward_upstream
-from .app_keys import LOCAL_BACKEND, SESSION_INDEX, SETTINGS
-from .errors import APIError
 from .limits import read_body, refuse_oversized_local_body
 
 
 async def _read(request: web.Request) -> bytes:
     settings = request.app[SETTINGS]
-    backend = request.app[LOCAL_BACKEND]
-    if backend is not None and not settings.llm_endpoint.base_url:
+    engine = local_engine(request.app)
+    if engine is not None and not settings.llm_endpoint.base_url:
         # Local models only: a body larger than any of their contexts is refused before it is read.
-        refuse_oversized_local_body(request, backend.max_context_tokens())
+        refuse_oversized_local_body(request, engine.max_context_tokens())
     return await read_body(request, settings.proxy.body_read_timeout_s)
 
 
@@ -136,9 +138,9 @@ async def delete_response(request: web.Request) -> web.StreamResponse:
         if request.app[SETTINGS].llm_endpoint.base_url:
             return await forward_upstream(request, body=None, turn=None)
         raise _not_found(response_id)
-    backend = request.app[LOCAL_BACKEND]
-    if backend is not None:
-        await asyncio.to_thread(backend.forget_session, tenant, response_id)
+    engine = local_engine(request.app)
+    if engine is not None:
+        await asyncio.to_thread(engine.forget_session, tenant, response_id)
     await request.app[SESSION_INDEX].forget(tenant, response_id)
     body = {"id": response_id, "object": "response", "deleted": True}
     return web.Response(body=orjson.dumps(body), content_type="application/json")

@@ -1,6 +1,6 @@
 """settings.json -> the vLLM engine's config (`vllm_engine.launch.VllmConfig`), torch-free.
 
-What each setting becomes (settings_check.py refuses what the engine would ignore; the schema itself
+What each setting becomes (proxy/settings_vllm.py refuses what the engine would ignore; the schema itself
 refuses a local_runner key the vLLM engine does not have):
 
     local_runner.models          the models, one vLLM server each (relative paths from the settings' folder)

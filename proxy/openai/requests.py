@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from ..http.errors import bad_request
+from ..errors import bad_request
 
 
 @dataclass(slots=True)

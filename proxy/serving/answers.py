@@ -19,7 +19,7 @@ from aiohttp import web
 from engine_api.sampling import TokenLogprob
 from engine_api.turn import Failed, Finished, TextDelta
 
-from ..http.errors import APIError, error_body
+from ..errors import APIError, error_body
 from ..openai import chat as chat_wire
 from ..openai import completions as completion_wire
 from ..openai import responses as responses_wire

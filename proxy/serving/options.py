@@ -12,7 +12,7 @@ from typing import Any
 
 from engine_api.sampling import SamplingParams
 
-from ..http.errors import bad_request
+from ..errors import bad_request
 from ..openai.requests import ApiRequest, ChatRequest, CompletionRequest, ResponsesRequest
 
 

@@ -2,7 +2,7 @@
 truncation), or a completion's prompt as text or token ids.
 
 Tokenizing is the first expensive step of a local turn, so it runs on a small pool of its own (the
-default executor stays free) after the cheap character bound (`proxy.http.limits.precheck_prompt`) has
+default executor stays free) after the cheap character bound (`prompt_bound.precheck_prompt`) has
 refused what cannot fit.
 """
 
@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 from engine_api.engine import Engine
 from engine_api.prompt import PLAIN, PromptError, PromptFormat, RenderedPrompt, check_fits, fit_turn
 
-from ..http.errors import APIError
-from ..http.limits import max_chars_per_token, precheck_prompt
+from ..errors import APIError
+from .prompt_bound import max_chars_per_token, precheck_prompt
 
 T = TypeVar("T")
 

@@ -21,7 +21,7 @@ import functools
 import math
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import Any, TypeGuard
 
 from aiohttp import web
 
@@ -32,7 +32,7 @@ from engine_api.turn import Event, Failed, Finished, FirstToken, GenerationReque
 from kvtier.tier_names import TIERS, Tier
 
 from ..cluster.session_index import SessionIndex, SessionRecord
-from ..http.errors import APIError
+from ..errors import APIError
 from ..openai import responses as responses_wire
 from ..openai.requests import ApiRequest, ChatRequest, CompletionRequest, ResponsesRequest
 from ..settings import Settings, chat_templates, replica_id
@@ -53,9 +53,6 @@ from .tools import (
     renders_tools,
     tool_request,
 )
-
-if TYPE_CHECKING:
-    from engine_api.stats import EngineStats
 
 # Where a turn goes when the local queue is full (`upstream.upstream_fallback`): its answer, or an APIError.
 UpstreamFallback = Callable[[web.Request, ApiRequest, Turn], Awaitable[web.StreamResponse]]
@@ -167,27 +164,12 @@ class LocalServing:
             tool_call_parsers=settings.local_runner.tool_call_parsers,
         )
 
-    # -- the seam's questions ------------------------------------------------------------------------
+    # -- the seam's questions (the rest is the engine's: `self.engine`) --------------------------------
 
     def supports(self, req: ApiRequest) -> str | None:
         if not self.engine.serves(req.model):
             return f"model {req.model!r} is not served locally"
         return unsupported_reason(req, self.setup(req.model))
-
-    def load(self) -> int:
-        return self.engine.load()
-
-    def max_context_tokens(self) -> int:
-        return self.engine.max_context_tokens()
-
-    def describe(self) -> dict[str, Any]:
-        return self.engine.describe()
-
-    def stats(self) -> EngineStats:
-        return self.engine.stats()
-
-    def forget_session(self, tenant: str, session: str) -> int:
-        return self.engine.forget_session(tenant, session)
 
     async def aclose(self) -> None:
         await self.engine.aclose()

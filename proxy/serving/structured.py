@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..http.errors import bad_request
+from ..errors import bad_request
 
 
 def response_format_grammar(body: dict[str, Any]) -> str | None:

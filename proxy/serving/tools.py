@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..http.errors import bad_request
+from ..errors import bad_request
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 # What jinja's tojson writes in transformers' chat templates (json.dumps' defaults).

@@ -1,31 +1,34 @@
-"""The one seam between the proxy and local serving: `LocalBackend`.
+"""The one seam between the proxy and local serving: `LocalBackend`, held under the app key `LOCAL_BACKEND`.
 
-The app holds one under `app_keys.LOCAL_BACKEND` (None: everything goes upstream), built when the app starts
-and closed when it stops (`app.local_serving`, a cleanup_ctx). The turn handlers (chat, completions,
-responses) ask it whether it `supports` a request, then let it `handle` a local turn, reporting its
-outcome through the `Turn`. The
-other endpoints ask it for its load, stats and description, and to forget a session.
+The app holds one (None: everything goes upstream), built when the app starts and closed when it stops
+(`http.app`, a cleanup_ctx). The turn handlers (chat, completions, responses) ask it whether it
+`supports` a request, then let it `handle` a local turn, reporting its outcome through the `Turn`. What
+the other endpoints ask (load, stats, description, forgetting a session) is the engine's: they ask its
+`engine` directly (`local_engine`).
 
 `proxy.serving.LocalServing` is the real one (the serving layer, above the embedded engine or vLLM); tests
-put stand-ins here.
-A stand-in may subclass this protocol to inherit the answers of a backend that holds nothing (no load, no
-stats, nothing to close). Nothing here imports torch.
+put stand-ins here. A stand-in may subclass this protocol to inherit the answers of a backend that holds
+nothing (no engine, nothing to close). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 
 from aiohttp import web
+
+from engine_api.engine import Engine
 
 from ..openai.requests import ApiRequest
 from .turn import Turn
 
-if TYPE_CHECKING:  # torch loads only when the local runner is enabled
-    from engine_api.stats import EngineStats
-
 
 class LocalBackend(Protocol):
+    @property
+    def engine(self) -> Engine | None:
+        """The engine that runs the turns (None: a stand-in that holds none)."""
+        return None
+
     def supports(self, req: ApiRequest) -> str | None:
         """None when this request can be served locally, else the reason it cannot (goes upstream)."""
         ...
@@ -36,31 +39,21 @@ class LocalBackend(Protocol):
         `APIError` for an error answer (the middleware tags and finishes it)."""
         ...
 
-    def load(self) -> int:
-        """Jobs queued or running (the heartbeat announces it; forwarding weighs it)."""
-        return 0
-
-    def max_context_tokens(self) -> int:
-        """The longest prompt any local model takes, in tokens (0: unknown, no body limit from it)."""
-        return 0
-
-    def describe(self) -> dict[str, Any]:
-        """Per local model, what /healthz shows (device, dtype, batching)."""
-        return {}
-
-    def stats(self) -> EngineStats | None:
-        """The runner's and its KV stores' counters. Blocking (it takes the stores' locks)."""
-        return None
-
-    def forget_session(self, tenant: str, session: str) -> int:
-        """Drop this tenant's session from every tier; the number of chunks dropped. Blocking."""
-        return 0
-
     async def aclose(self) -> None:
         """On the event loop, before `close`: what serving holds there (HTTP sessions)."""
         return None
 
     def close(self) -> None:
-        """Stop serving: the runner's worker, the stores' pending L2 writes (finished, so a restart finds
+        """Stop serving: the engine (its work, the stores' pending L2 writes, finished so a restart finds
         every chunk), any thread pools. Blocking; called once, off the event loop, when the app stops."""
         return None
+
+
+# The one seam into local serving (built when the app starts, closed when it stops); None: all upstream.
+LOCAL_BACKEND: web.AppKey[LocalBackend | None] = web.AppKey("local_backend")
+
+
+def local_engine(app: web.Application) -> Engine | None:
+    """The engine local turns run on, or None (no local serving, or a stand-in without one)."""
+    backend = app[LOCAL_BACKEND]
+    return backend.engine if backend is not None else None

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from ..http.errors import bad_request
+from ..errors import bad_request
 
 SESSION_HEADER = "X-Session-Id"
 _VALID = re.compile(r"^[\x21-\x7e]{1,128}$")  # visible ASCII: safe to echo in a response header

@@ -11,7 +11,7 @@ import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
 
-from ..http.errors import APIError
+from ..errors import APIError
 
 ANONYMOUS = "anonymous"
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from ..http.metrics import Metrics
+from ..metrics import Metrics
 from .headers import TTFT, CacheLevel, RouteName, cache_label, store_headers
 from .session import SESSION_HEADER, is_valid_session_id
 from .tenant import ANONYMOUS

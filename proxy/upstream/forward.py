@@ -23,16 +23,20 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from ..http.app_keys import HTTP_CLIENT, METRICS, SETTINGS
-from ..http.errors import APIError, error_body
-from ..http.limits import StreamedBody
+from ..errors import APIError, error_body
+from ..metrics import METRICS
 from ..openai.requests import ApiRequest
-from ..settings import Settings, replica_id
+from ..settings import SETTINGS, Settings, replica_id
 from ..turns.headers import REPLICA, ROUTE
 from ..turns.turn import Turn
 from .header_filter import inbound_headers, outbound_headers
+from .streamed_body import StreamedBody
 
 _T = TypeVar("_T")
+
+# One ClientSession for the app's life (created in a cleanup_ctx), used for every upstream call and every
+# turn forwarded to another replica.
+HTTP_CLIENT = web.AppKey("http_client", aiohttp.ClientSession)
 
 
 @functools.lru_cache(maxsize=256)

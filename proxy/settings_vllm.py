@@ -1,11 +1,11 @@
 """What the vLLM engine refuses among the values of its settings (torch-free: settings.py calls it).
 
 With `local_runner.engine: "vllm"` the proxy starts one vLLM server per local model and passes it what
-the settings say (config.py). A local_runner key the vLLM engine does not read is refused by the schema
-(settings.py: `VllmRunnerSettings`); what is left here are values that would do nothing or contradict
-the settings, each refused at start with one line, as the project's contract asks (docs/vllm.md). The
-two store settings whose default does nothing under vLLM (decouple, evict_on_pressure) must be set to
-false with this engine, so that no accepted value is ignored.
+the settings say (local_vllm/config.py). A local_runner key the vLLM engine does not read is refused by
+the schema (settings.py: `VllmRunnerSettings`); what is left here are values that would do nothing or
+contradict the settings, each refused at start with one line, as the project's contract asks
+(docs/vllm.md). The two store settings whose default does nothing under vLLM (decouple,
+evict_on_pressure) must be set to false with this engine, so that no accepted value is ignored.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""Prometheus metrics: one registry per app (no process-global state), store gauges read at scrape time."""
+"""Prometheus metrics: one registry per app (no process-global state, `METRICS`), store gauges read at
+scrape time."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -164,11 +166,11 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class RunnerCollector(Collector):
+class EngineCollector(Collector):
     """The local engine's queue as Prometheus sees it, read from `Engine.stats()` at scrape time: jobs
     waiting and running now (the dashboard's load panel), jobs admitted and their summed queue wait (rate
     of one over the other: the mean wait), and jobs cancelled by their client. `stats` returns the
-    runner's stats object, or None when nothing is served locally (then nothing is exported)."""
+    engine's `EngineStats`, or None when nothing is served locally (then nothing is exported)."""
 
     def __init__(self, stats: Callable[[], object | None]):
         self._stats = stats
@@ -202,3 +204,7 @@ class RunnerCollector(Collector):
             value = getattr(snapshot, attr, None)
             if value is not None:
                 yield CounterMetricFamily(name, doc, value=value)
+
+
+# This app's Prometheus registry and its metrics (no process-global metrics).
+METRICS = web.AppKey("metrics", Metrics)

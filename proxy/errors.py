@@ -1,4 +1,5 @@
-"""OpenAI-style error objects: `{"error": {"message", "type", "param", "code"}}`."""
+"""OpenAI-style error objects: `{"error": {"message", "type", "param", "code"}}`, raised by every layer of
+the proxy (`APIError`) and answered by the one middleware; and the errors more than one layer raises."""
 
 from __future__ import annotations
 
@@ -43,6 +44,23 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def body_too_large(limit: int, size: int | None = None) -> APIError:
+    """413 for a body past proxy.max_body_mb (`limit` bytes); `size`, when the client declared it."""
+    declared = f" ({size} bytes)" if size is not None else ""
+    return APIError(
+        413,
+        f"Request body too large{declared}: proxy.max_body_mb allows at most {limit} bytes.",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+def body_late(what: str) -> APIError:
+    """408 for a request body that did not arrive in time (`what` says how)."""
+    # Connection: close: the rest of the body is never read, so the connection cannot carry another request.
+    return APIError(408, f"The request body {what}.", code="request_timeout", headers={"Connection": "close"})
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
