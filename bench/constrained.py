@@ -25,11 +25,11 @@ from engine_api.prompt import render_prompt
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Finished, FirstToken, GenerationRequest, TextDelta
 from local_runner.compiled import use_cache_dir
-from local_runner.config import EngineConfig
 from local_runner.engine import EmbeddedEngine
 from local_runner.grammars import Grammars
 from local_runner.loader import load_model
 from local_runner.sampling import Sampler
+from proxy.local.config import engine_config
 from proxy.serving.structured import response_format_grammar
 from proxy.serving.tools import ToolCallParser, forced_call_grammar, tool_request
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
@@ -120,7 +120,8 @@ def parse_us_per_token(answers: list[list[str]]) -> float:
 async def main_async(args: argparse.Namespace) -> None:
     lm = load_model(DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE, dtype=args.dtype, cache_dir=args.cache_dir)
     engine = EmbeddedEngine(
-        {DEFAULT_MODEL_NAME: lm}, config=EngineConfig(max_running=max(args.streams), compile=args.compile)
+        {DEFAULT_MODEL_NAME: lm},
+        config=engine_config(max_running=max(args.streams), compile=args.compile, min_free_memory_bytes=0),
     ).start()
     wait_until(lambda: not engine.steps[DEFAULT_MODEL_NAME].compiling, "the compile", 900, interval=0.5)
     compiler = Grammars(lm)

@@ -41,11 +41,11 @@ from engine_api.prompt import fit_turn
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Finished, FirstToken, GenerationRequest, TextDelta
 from kvtier import KVStore, StoreConfig
-from local_runner.config import EngineConfig
 from local_runner.engine import EmbeddedEngine
 from local_runner.job_kv import JobKV
 from local_runner.kv_cache import job_cache
 from local_runner.loader import LoadedModel, load_model
+from proxy.local.config import engine_config
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 from .sharegpt import cap_text, default_path, iter_json_array, to_conversation
@@ -249,7 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         engine = EmbeddedEngine(
             {NAME: lm},
             {NAME: store},
-            EngineConfig(max_context_tokens=args.context, truncate_on_overflow=True, decouple=True),
+            config=engine_config(
+                max_running=4,
+                max_context_tokens=args.context,
+                truncate_on_overflow=True,
+                decouple=True,
+                min_free_memory_bytes=0,
+            ),
         ).start()
         try:
             for name, msgs in conversations(args, lm.tokenizer):

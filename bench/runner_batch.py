@@ -24,9 +24,9 @@ from transformers import DynamicCache
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Finished, FirstToken, GenerationRequest, TextDelta
 from kvtier import KVStore, StoreConfig
-from local_runner.config import EngineConfig
 from local_runner.engine import EmbeddedEngine
 from local_runner.loader import LoadedModel, load_model, on_passing_thread
+from proxy.local.config import engine_config
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 MODEL = DEFAULT_MODEL_NAME
@@ -183,10 +183,11 @@ def run(args: argparse.Namespace) -> None:
         engine = EmbeddedEngine(
             {MODEL: lm},
             {MODEL: store},
-            EngineConfig(
+            config=engine_config(
                 max_running=max(*args.streams, 8),  # room for the long prompt and the hit beside 4 streams
                 max_queue=64,
                 max_batch_tokens=args.max_batch_tokens,
+                min_free_memory_bytes=0,
             ),
         ).start()
         try:
@@ -200,7 +201,9 @@ def run(args: argparse.Namespace) -> None:
                 if args.per_job:  # a engine per row: its thread's OpenMP team ends with it (loader.py)
                     per_job = EmbeddedEngine(
                         {MODEL: lm},
-                        config=EngineConfig(max_running=max(args.streams), max_queue=64, batch=False),
+                        config=engine_config(
+                            max_running=max(args.streams), max_queue=64, min_free_memory_bytes=0, batch=False
+                        ),
                     ).start()
                     try:
                         row = asyncio.run(concurrency_row(per_job, lm, n, args.prompt, args.decode))

@@ -23,6 +23,7 @@ from local_runner.job_kv import JobKV
 from local_runner.loader import load_model
 from local_runner.model_step import ModelStep
 from local_runner.step import Work
+from proxy.local.config import engine_config
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 from .support.waiting import wait_until
@@ -46,6 +47,7 @@ def prepare(args: argparse.Namespace, variant: str) -> ModelStep:
         batch=True,
         batch_invariant=invariant,
         compile=compile,
+        max_rows=engine_config().max_step_rows,
     )
     if variant == "exact-unfused" and step.stack is not None:
         step.stack.fused = False

@@ -24,9 +24,9 @@ import torch
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Finished, FirstToken, GenerationRequest
 from kvtier import KVStore, StoreConfig
-from local_runner.config import EngineConfig
 from local_runner.engine import EmbeddedEngine
 from local_runner.loader import LoadedModel, load_model
+from proxy.local.config import engine_config
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 from .runner_batch import prompt_ids
@@ -59,7 +59,11 @@ def open_runner(lm: LoadedModel, path: Path, *, l0: int, l1: int, overlap: bool,
         lm.layout,
         lm.fingerprint,
     )
-    return EmbeddedEngine({MODEL: lm}, {MODEL: store}, EngineConfig(overlap_with_compute=overlap)).start()
+    return EmbeddedEngine(
+        {MODEL: lm},
+        {MODEL: store},
+        config=engine_config(max_running=4, min_free_memory_bytes=0, overlap_with_compute=overlap),
+    ).start()
 
 
 def second_turn_ttft(

@@ -1,35 +1,41 @@
-"""The embedded engine's one typed config: every option of an `EmbeddedEngine` (nano-vllm's `Config`),
-checked once when it is made. proxy/local/build.py fills it from settings.json; tests and benchmarks make
-their own."""
+"""The embedded engine's one typed config (nano-vllm's `Config`), checked once when it is made.
+
+Every field but `batch` is a setting: proxy/local/config.py derives the config from settings.json, whose
+schema (proxy/settings.py) holds each default once; tests and benchmarks start from those defaults too
+(`engine_config(**fields)`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    max_queue: int = 16  # jobs waiting for a slot; past it a submit is refused (429 above)
-    max_running: int = 4  # jobs in one batched step (the KV slots of each model's pool)
-    lookahead: int = 1  # queued turns whose stored KV is prefetched (0: none)
-    max_batch_tokens: int = 512  # tokens one step feeds (chunked prefill); below 1 counts as 1
-    kv_budget_bytes: int = 0  # KV of the running jobs; 0: bounded by max_running only
-    max_context_tokens: int | None = None  # None: each model's own context
-    truncate_on_overflow: bool = False  # drop the oldest turns of a prompt that does not fit (else refuse)
-    decouple: bool = False  # a truncated turn moves its kept KV to the new positions (exact RoPE only)
-    batch: bool = True  # packed steps (every job of a model in one forward) where the model allows
-    batch_invariant: bool = True  # a job's logits do not depend on what else runs (exact_attention.py)
-    compile: bool = False  # the packed step compiled (torch.compile), eager until it is ready
-    scheduler_aware: bool = True  # the stores see the queue (prefetch, keep what is about to be used)
-    overlap_with_compute: bool = True  # a job may compute while its layers still load
-    evict_on_pressure: bool = True  # at low free memory, evict stored KV before refusing a turn
-    min_free_memory_bytes: int = 0  # 0: no memory-pressure check at admission
+    max_queue: int  # jobs waiting for a slot; past it a submit is refused (429 above)
+    max_running: int  # jobs in one batched step (the KV slots of each model's pool)
+    lookahead: int  # queued turns whose stored KV is prefetched (0: none)
+    max_batch_tokens: int  # tokens one step feeds (chunked prefill)
+    kv_budget_bytes: int  # KV of the running jobs; 0: bounded by max_running only
+    max_context_tokens: int | None  # None: each model's own context
+    truncate_on_overflow: bool  # drop the oldest turns of a prompt that does not fit (else refuse)
+    decouple: bool  # a truncated turn moves its kept KV to the new positions (exact RoPE only)
+    batch_invariant: bool  # a job's logits do not depend on what else runs (docs/engine.md)
+    compile: bool  # the packed step compiled (torch.compile), eager until it is ready
+    scheduler_aware: bool  # the stores see the queue (prefetch, keep what is about to be used)
+    overlap_with_compute: bool  # a job may compute while its layers still load
+    evict_on_pressure: bool  # at low free memory, evict stored KV before refusing a turn
+    min_free_memory_bytes: int  # 0: no memory-pressure check at admission
+    # Not a setting: packed steps (every job of a model in one forward) where the model allows; False runs
+    # one forward per job (a benchmark's same-run baseline).
+    batch: bool = True
 
     def __post_init__(self) -> None:
         at_least = {
             "max_queue": 1,
             "max_running": 1,
             "lookahead": 0,
+            "max_batch_tokens": 1,
             "kv_budget_bytes": 0,
             "min_free_memory_bytes": 0,
         }
@@ -38,3 +44,9 @@ class EngineConfig:
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 raise ValueError(f"EngineConfig.{name} must be at least {low}, not {getattr(self, name)}")
+
+    @property
+    def max_step_rows(self) -> int:
+        """The rows a step's products are measured up to for batch invariance: the batch's token budget
+        plus a decoding token for every running job."""
+        return self.max_batch_tokens + self.max_running

@@ -55,7 +55,7 @@ from .realign import ShiftStats
 from .rope_config import rope_shift_for
 from .rope_shift import RopeShift
 from .save_handoff import SaveHandoff
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler
 from .step import Work
 from .store_hints import StoreHints
 
@@ -98,9 +98,10 @@ class EmbeddedEngine:
         self,
         models: Mapping[str, LoadedModel],
         stores: Mapping[str, KVStore] | None = None,
-        config: EngineConfig | None = None,
+        *,
+        config: EngineConfig,
     ) -> None:
-        self.config = config = config or EngineConfig()
+        self.config = config
         self.models = dict(models)
         self.stores = dict(stores or {})
         # decouple: a truncated turn moves the kept turns' stored KV to its new positions, for models whose
@@ -123,21 +124,12 @@ class EmbeddedEngine:
                 batch=config.batch,
                 batch_invariant=config.batch_invariant,
                 compile=config.compile,
-                max_rows=config.max_batch_tokens + config.max_running,
+                max_rows=config.max_step_rows,
             )
             for name, lm in self.models.items()
         }
         self.pools = {name: step.pool for name, step in self.steps.items()}
-        scheduling = SchedulerConfig(
-            max_queue=config.max_queue,
-            max_running=config.max_running,
-            lookahead=config.lookahead,
-            max_batch_tokens=max(1, config.max_batch_tokens),
-            kv_budget_bytes=config.kv_budget_bytes,
-            overlap=config.overlap_with_compute,
-            batch_invariant=config.batch_invariant,
-        )
-        self.scheduler = Scheduler(scheduling, self.pools, self._job_bytes)
+        self.scheduler = Scheduler(config, self.pools, self._job_bytes)
         self.hints = StoreHints(
             self.stores, lookahead=config.lookahead, scheduler_aware=config.scheduler_aware
         )

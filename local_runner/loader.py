@@ -96,12 +96,14 @@ def load_model(
     name: str,
     source: str,
     *,
+    cache_dir: str | Path,
     device: str = "auto",
     dtype: str = "auto",
-    cache_dir: str | Path = "./var/models",
     threads: int = 0,
 ) -> LoadedModel:
-    """Load (converting a GGUF once) and prepare a model, on a thread of its own (on_passing_thread)."""
+    """Load (converting a GGUF once, into `cache_dir`) and prepare a model, on a thread of its own
+    (on_passing_thread). `auto` and 0 pick what this machine runs best (resolve_device, resolve_dtype,
+    configure_threads)."""
     return on_passing_thread(
         _load_model, name, source, device=device, dtype=dtype, cache_dir=cache_dir, threads=threads
     )

@@ -51,8 +51,8 @@ class ModelStep:
         context: int,
         batch: bool,
         batch_invariant: bool,
-        compile: bool = False,
-        max_rows: int = 512 + 16,
+        compile: bool,
+        max_rows: int,
     ) -> ModelStep:
         """`batch=False`: one forward per job for this model (a benchmark's same-run baseline). `compile`:
         where the model allows, `warm_up` starts compiling the packed step on a thread of its own.

@@ -26,10 +26,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from engine_api.errors import OverShare, QueueFull
+from engine_api.errors import QueueFull
 from engine_api.turn import Failed, Finished
 
 from .admission import AdmissionQueue
+from .config import EngineConfig
 from .job_state import JobState, Status
 from .jobs import Job
 from .kv_slots import SlotPool
@@ -50,29 +51,13 @@ class SchedulerCounts:
     cancelled: int
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_queue: int
-    max_running: int
-    lookahead: int = 1
-    max_batch_tokens: int = 512
-    kv_budget_bytes: int = 0  # 0: no limit beyond max_running
-    overlap: bool = True  # a job may compute while its layers still load (when it runs alone)
-    batch_invariant: bool = False
-
-    @property
-    def invariant_chunk(self) -> int:
-        """A prompt chunk's size with batch_invariant: the same whatever else runs."""
-        return max(MIN_PREFILL_TOKENS, self.max_batch_tokens - self.max_running)
-
-
 class Scheduler:
-    def __init__(
-        self, config: SchedulerConfig, pools: Mapping[str, SlotPool], job_bytes: Callable[[Job], int]
-    ):
+    def __init__(self, config: EngineConfig, pools: Mapping[str, SlotPool], job_bytes: Callable[[Job], int]):
         self.config = config
         self.pools = dict(pools)
         self._job_bytes = job_bytes
+        # A prompt chunk's size with batch_invariant: the same whatever else runs.
+        self.invariant_chunk = max(MIN_PREFILL_TOKENS, config.max_batch_tokens - config.max_running)
         # Shared state, all of it owned (written) by this scheduler only. `cond` guards the queue,
         # `starting`, `stopping` and the counters below (event-loop threads submit and cancel; the worker
         # admits); `running` is changed under `cond` on the worker's thread only, which alone reads it
@@ -207,7 +192,7 @@ class Scheduler:
             s.settle_restore()
         ready = [s for s in live if s.status is not Status.RESTORING]
         if not ready and live:
-            if not self.config.overlap:
+            if not self.config.overlap_with_compute:
                 live[0].wait_restore(0.05)  # nothing else to run: wait for its restore, not for long
                 return []
             ready = live[:1]  # nothing else to run: this one computes while its layers load
@@ -220,7 +205,7 @@ class Scheduler:
             if budget <= 0:
                 break
             if s.prefilling:
-                want = self.config.invariant_chunk if self.config.batch_invariant else budget
+                want = self.invariant_chunk if self.config.batch_invariant else budget
                 tokens = s.next_tokens(want)
                 done = len(s.fed_ids) + len(tokens) >= len(s.job.request.prompt_ids)
                 plan.append((s, Work(s.kv, tokens, want_logits=done)))
@@ -256,4 +241,4 @@ class Scheduler:
             return jobs
 
 
-__all__ = ["OverShare", "QueueFull", "Scheduler", "SchedulerConfig", "SchedulerCounts"]
+__all__ = ["Scheduler", "SchedulerCounts"]

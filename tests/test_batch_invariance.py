@@ -11,9 +11,9 @@ import torch
 
 from engine_api.sampling import SamplingParams
 from engine_api.turn import GenerationRequest
-from local_runner.config import EngineConfig
 from local_runner.engine import EmbeddedEngine
 from local_runner.loader import load_model
+from proxy.local.config import engine_config
 from proxy.settings import DEFAULT_MODEL_SOURCE
 from tests.model_fixture import MODEL, REPO
 from tests.rendering import render
@@ -37,7 +37,7 @@ TOKENS = 12
 async def alone_and_together(lm, *, batch_invariant: bool) -> tuple[list[str], list[str]]:
     """The 8 questions' greedy answers served one at a time, then all 8 at once, by a engine of 8 slots."""
     engine = EmbeddedEngine(
-        {MODEL: lm}, config=EngineConfig(max_running=8, max_queue=8, batch_invariant=batch_invariant)
+        {MODEL: lm}, config=engine_config(max_running=8, max_queue=8, batch_invariant=batch_invariant)
     ).start()
 
     def submit(ids: list[int]):
@@ -75,8 +75,8 @@ async def test_eight_answers_served_together_equal_each_served_alone(models, dty
 async def test_the_default_engine_answers_as_alone(smollm):
     """The default EngineConfig is batch-invariant: the session's shared model (float32 here) served 8 at
     once answers as alone, its linear layers measured row-invariant."""
-    assert EngineConfig().batch_invariant
-    alone, together = await alone_and_together(smollm, batch_invariant=EngineConfig().batch_invariant)
+    assert engine_config().batch_invariant
+    alone, together = await alone_and_together(smollm, batch_invariant=engine_config().batch_invariant)
     assert smollm.rows_invariant
     assert together == alone
 
@@ -91,7 +91,10 @@ def test_a_prompt_prefilled_in_chunks_of_any_size_gives_bit_identical_kv(models,
     from local_runner.step import Work, run_packed
 
     lm = models[dtype]
-    ModelStep.prepare(lm, slots=1, context=64, batch=True, batch_invariant=True).pool.close()
+    rows = engine_config().max_step_rows  # what an engine at the default settings measures up to
+    ModelStep.prepare(
+        lm, slots=1, context=64, batch=True, batch_invariant=True, compile=False, max_rows=rows
+    ).pool.close()
     stack = DecoderStack(lm.model)
     ids = (lm.tokenizer(" ".join(QUESTIONS * 12))["input_ids"] * 2)[:600]
     results = []
@@ -119,7 +122,10 @@ def test_with_batch_invariant_stored_kv_equals_a_recompute_bit_for_bit(models, d
     from local_runner.step import Work, run_packed
 
     lm = models[dtype]
-    ModelStep.prepare(lm, slots=1, context=64, batch=True, batch_invariant=True).pool.close()
+    rows = engine_config().max_step_rows  # what an engine at the default settings measures up to
+    ModelStep.prepare(
+        lm, slots=1, context=64, batch=True, batch_invariant=True, compile=False, max_rows=rows
+    ).pool.close()
     stack = DecoderStack(lm.model)
     ids = lm.tokenizer(" ".join(QUESTIONS))["input_ids"][:40]
     recompute, turn = (JobKV.standalone(lm.layout, lm.device, 64) for _ in range(2))
@@ -149,7 +155,9 @@ async def test_every_turn_from_stored_kv_equals_a_recompute_through_the_tiers(mo
         lm.layout,
         lm.fingerprint,
     )
-    engine = EmbeddedEngine({MODEL: lm}, {MODEL: store}, EngineConfig(max_running=4, max_queue=8)).start()
+    engine = EmbeddedEngine(
+        {MODEL: lm}, {MODEL: store}, config=engine_config(max_running=4, max_queue=8)
+    ).start()
     assert engine.steps[MODEL].batch_invariant  # the default
 
     def submit(ids: list[int], **kw):

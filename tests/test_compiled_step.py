@@ -16,9 +16,9 @@ from torch import nn
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Finished, GenerationRequest
 from kvtier import KVStore, StoreConfig
-from local_runner.config import EngineConfig
 from local_runner.engine import EmbeddedEngine
 from local_runner.loader import load_model
+from proxy.local.config import engine_config
 from proxy.settings import DEFAULT_MODEL_SOURCE
 from tests.model_fixture import MODEL, REPO
 from tests.rendering import render
@@ -63,7 +63,7 @@ def compiled(tmp_path_factory):
     engine = EmbeddedEngine(
         {MODEL: lm},
         {MODEL: store},
-        EngineConfig(max_running=4, max_queue=8, compile=True, batch_invariant=False),
+        config=engine_config(max_running=4, max_queue=8, compile=True, batch_invariant=False),
     ).start()
     wait_until(lambda: not engine.steps[MODEL].compiling, "the compile", 600, interval=0.5)
     yield engine
@@ -120,7 +120,7 @@ async def test_compiled_second_turn_from_stored_kv_equals_a_recompute(compiled):
 async def test_a_step_that_cannot_compile_runs_eagerly_saying_why(options, reason):
     lm = tiny_loaded("tiny", model=tiny_llama(seed=3))
     engine = EmbeddedEngine(
-        {"tiny": lm}, config=EngineConfig(**{"compile": True, "batch_invariant": False, **options})
+        {"tiny": lm}, config=engine_config(**{"compile": True, "batch_invariant": False, **options})
     ).start()
     try:
         status = str(engine.steps["tiny"].describe()["compiled"])
@@ -136,8 +136,10 @@ async def test_a_step_that_cannot_compile_runs_eagerly_saying_why(options, reaso
 
 async def test_a_model_packed_by_an_eager_runner_is_not_compiled_by_a_later_one():
     lm = tiny_loaded("tiny", model=tiny_llama(seed=3))
-    EmbeddedEngine({"tiny": lm}).start().close()  # packs the linear layers for its eager step
-    engine = EmbeddedEngine({"tiny": lm}, config=EngineConfig(compile=True, batch_invariant=False)).start()
+    EmbeddedEngine(
+        {"tiny": lm}, config=engine_config()
+    ).start().close()  # packs the linear layers for its eager step
+    engine = EmbeddedEngine({"tiny": lm}, config=engine_config(compile=True, batch_invariant=False)).start()
     try:
         status = str(engine.steps["tiny"].describe()["compiled"])
         assert "already packed" in status
@@ -149,7 +151,7 @@ async def test_jobs_are_served_eagerly_while_the_step_compiles():
     """A engine answers at once after start: its first jobs run on the eager step while the compile
     runs on its own thread, and the step switches to the compiled one when that is ready."""
     lm = tiny_loaded("tiny", model=tiny_llama(seed=6))
-    engine = EmbeddedEngine({"tiny": lm}, config=EngineConfig(compile=True, batch_invariant=False)).start()
+    engine = EmbeddedEngine({"tiny": lm}, config=engine_config(compile=True, batch_invariant=False)).start()
     try:
         step = engine.steps["tiny"]
         job = engine.submit(

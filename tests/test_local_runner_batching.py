@@ -12,11 +12,11 @@ import torch
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Failed, Finished, FirstToken, GenerationRequest, TextDelta
 from kvtier import KVStore, StoreConfig
-from local_runner.config import EngineConfig
 from local_runner.engine import EmbeddedEngine
 from local_runner.job_kv import JobKV
 from local_runner.jobs import Job
 from local_runner.step import Work, run_per_job
+from proxy.local.config import engine_config
 from tests.tiny_model import tiny_llama, tiny_loaded
 
 PROMPTS = [
@@ -108,7 +108,7 @@ async def test_eight_jobs_joining_at_different_steps_equal_each_alone(lm, model,
     expected = [greedy_alone(lm, p, n) for p in prompts]
 
     engine = EmbeddedEngine(
-        {"tiny": lm, "tiny-eos": eos_lm}, {"tiny": store}, EngineConfig(max_running=8, max_queue=8)
+        {"tiny": lm, "tiny-eos": eos_lm}, {"tiny": store}, config=engine_config(max_running=8, max_queue=8)
     ).start()
     try:
         # Turn 1 of two conversations, alone: their KV is stored for the reuse below.
@@ -178,7 +178,7 @@ async def test_eight_jobs_joining_at_different_steps_equal_each_alone(lm, model,
 
 
 async def test_a_failing_job_fails_alone(lm):
-    engine = EmbeddedEngine({"tiny": lm}, config=EngineConfig(max_running=4)).start()
+    engine = EmbeddedEngine({"tiny": lm}, config=engine_config(max_running=4)).start()
     try:
         good = ids_of(lm, "hello there")
         bad = [lm.model.config.vocab_size + 5] * 3  # no such token: its embedding lookup raises
@@ -199,7 +199,7 @@ async def test_a_job_that_does_not_fit_the_kv_budget_waits(lm):
     ids = ids_of(lm, "a prompt of some length")
     per_job = (len(ids) + 16) * lm.layout.bytes_per_token
     engine = EmbeddedEngine(
-        {"tiny": lm}, config=EngineConfig(max_running=4, kv_budget_bytes=int(per_job * 1.5))
+        {"tiny": lm}, config=engine_config(max_running=4, kv_budget_bytes=int(per_job * 1.5))
     ).start()
     try:
         first, second = submit(engine, "tiny", ids, 16), submit(engine, "tiny", ids, 16)
@@ -217,7 +217,7 @@ async def test_a_job_that_does_not_fit_the_kv_budget_waits(lm):
 
 
 async def test_cancelling_frees_the_slot_for_a_queued_job(lm):
-    engine = EmbeddedEngine({"tiny": lm}, config=EngineConfig(max_running=1, max_queue=2)).start()
+    engine = EmbeddedEngine({"tiny": lm}, config=engine_config(max_running=1, max_queue=2)).start()
     try:
         long = submit(engine, "tiny", ids_of(lm, "go on"), 400)
         events = long.events()

@@ -9,8 +9,8 @@ import torch
 
 from engine_api.turn import Failed, Finished
 from kvtier import KVStore, StoreConfig
-from local_runner.config import EngineConfig
 from local_runner.engine import EmbeddedEngine
+from proxy.local.config import engine_config
 from tests.support.waiting import async_wait_until
 from tests.test_local_runner_batching import drain, greedy_alone, ids_of, submit
 from tests.tiny_model import tiny_llama, tiny_loaded
@@ -26,7 +26,7 @@ def open_store(lm, path, l0=MB, l1=MB, chunk=16) -> KVStore:
 async def store_turn(lm, path, ids, n) -> None:
     """Turn 1 alone, saved to L2; the store is closed, so only the disk holds it afterwards."""
     store = open_store(lm, path)
-    engine = EmbeddedEngine({"tiny": lm}, {"tiny": store}).start()
+    engine = EmbeddedEngine({"tiny": lm}, {"tiny": store}, config=engine_config()).start()
     try:
         done = await drain(submit(engine, "tiny", ids, n))
         assert isinstance(done.end, Finished)
@@ -41,7 +41,9 @@ async def test_a_window_jobs_kv_is_fetched_from_disk_while_another_job_runs(tmp_
     answer = greedy_alone(lm, first, 12)
     second = first + answer + ids_of(lm, " more?")
     store = open_store(lm, tmp_path)  # a restart: the conversation is in L2 only
-    engine = EmbeddedEngine({"tiny": lm}, {"tiny": store}, EngineConfig(max_running=1, lookahead=1)).start()
+    engine = EmbeddedEngine(
+        {"tiny": lm}, {"tiny": store}, config=engine_config(max_running=1, lookahead=1)
+    ).start()
     try:
         long_job = submit(engine, "tiny", ids_of(lm, "keep talking"), 300)
         events = long_job.events()
@@ -70,7 +72,7 @@ async def test_memory_pressure_sheds_stored_kv_or_refuses(tmp_path):
     ids = ids_of(lm, "pressure test prompt")
     for evict in (True, False):
         store = open_store(lm, tmp_path / str(evict))
-        calm = EmbeddedEngine({"tiny": lm}, {"tiny": store}).start()
+        calm = EmbeddedEngine({"tiny": lm}, {"tiny": store}, config=engine_config()).start()
         await drain(submit(calm, "tiny", ids, 8))  # stored in L0 and on disk
         calm.stop()  # its stores stay open for the next engine
         store.flush()
@@ -79,7 +81,7 @@ async def test_memory_pressure_sheds_stored_kv_or_refuses(tmp_path):
         engine = EmbeddedEngine(
             {"tiny": lm},
             {"tiny": store},
-            EngineConfig(evict_on_pressure=evict, min_free_memory_bytes=1 << 50),
+            config=engine_config(evict_on_pressure=evict, min_free_memory_bytes=1 << 50),
         ).start()
         try:
             out = await drain(submit(engine, "tiny", ids_of(lm, "another prompt"), 4))
@@ -103,7 +105,7 @@ async def test_without_overlap_a_job_waits_for_its_restore_and_answers_the_same(
     for overlap in (True, False):
         store = open_store(lm, tmp_path)
         engine = EmbeddedEngine(
-            {"tiny": lm}, {"tiny": store}, EngineConfig(overlap_with_compute=overlap)
+            {"tiny": lm}, {"tiny": store}, config=engine_config(overlap_with_compute=overlap)
         ).start()
         try:
             out = await drain(submit(engine, "tiny", second, 8))
@@ -118,7 +120,7 @@ async def test_a_turn_that_ends_on_its_first_step_still_saves_its_kv(tmp_path):
     still settling saves its prompt's KV all the same: the next turn finds it."""
     lm = tiny_loaded(model=tiny_llama(seed=14))
     store = open_store(lm, tmp_path)
-    engine = EmbeddedEngine({"tiny": lm}, {"tiny": store}).start()
+    engine = EmbeddedEngine({"tiny": lm}, {"tiny": store}, config=engine_config()).start()
     try:
         first = ids_of(lm, "one word answers only please")
         await drain(submit(engine, "tiny", first, 6))

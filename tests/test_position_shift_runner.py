@@ -16,9 +16,9 @@ from engine_api.prompt import ANSWER_ROOM, HEADROOM, fit_history, render_prompt
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Finished, FirstToken, GenerationRequest, TextDelta
 from kvtier import KVStore, StoreConfig
-from local_runner.config import EngineConfig
 from local_runner.engine import EmbeddedEngine
 from local_runner.realign import find_realignment
+from proxy.local.config import engine_config
 from tests.rendering import render
 from tests.tiny_model import tiny_llama, tiny_loaded, tiny_tokenizer
 
@@ -136,7 +136,7 @@ async def test_truncated_turn_moves_the_kept_kv_like_a_recompute(lm, tmp_path):
     engine = EmbeddedEngine(
         {"tiny": lm},
         {"tiny": store},
-        EngineConfig(max_context_tokens=LIMIT, truncate_on_overflow=True, decouple=True),
+        config=engine_config(max_context_tokens=LIMIT, truncate_on_overflow=True, decouple=True),
     ).start()
     try:
         ids, first, nxt, first_next = await converse_until_truncated(engine, "a")
@@ -166,7 +166,7 @@ async def test_without_decouple_a_truncated_turn_recomputes(lm, tmp_path):
     engine = EmbeddedEngine(
         {"tiny": lm},
         {"tiny": store},
-        EngineConfig(max_context_tokens=LIMIT, truncate_on_overflow=True, decouple=False),
+        config=engine_config(max_context_tokens=LIMIT, truncate_on_overflow=True, decouple=False),
     ).start()
     try:
         ids, first, nxt, first_next = await converse_until_truncated(engine, "a")

@@ -11,8 +11,8 @@ from engine_api.errors import QueueFull
 from engine_api.prompt import PromptError
 from engine_api.sampling import SamplingParams
 from engine_api.turn import Failed, Finished, FirstToken, GenerationRequest, TextDelta
-from local_runner.config import EngineConfig
 from local_runner.engine import EmbeddedEngine
+from proxy.local.config import engine_config
 from tests.model_fixture import MODEL
 from tests.rendering import render
 
@@ -23,7 +23,7 @@ COLORS = [{"role": "user", "content": "Name three colors."}]
 
 @pytest.fixture
 def engine(smollm):
-    r = EmbeddedEngine({MODEL: smollm}, config=EngineConfig(max_queue=2, max_running=2)).start()
+    r = EmbeddedEngine({MODEL: smollm}, config=engine_config(max_queue=2, max_running=2)).start()
     yield r
     r.close()
 
@@ -106,7 +106,7 @@ async def test_cancel_stops_a_running_job(engine):
 
 
 async def test_queue_full_raises(smollm):
-    engine = EmbeddedEngine({MODEL: smollm}, config=EngineConfig(max_queue=1, max_running=1)).start()
+    engine = EmbeddedEngine({MODEL: smollm}, config=engine_config(max_queue=1, max_running=1)).start()
     try:
         ids = render(engine, MODEL, [{"role": "user", "content": "Count from one to one thousand."}]).ids
         jobs = [engine.submit(GenerationRequest(MODEL, ids, SamplingParams(max_tokens=400, temperature=0)))]
@@ -140,9 +140,11 @@ def test_overflowing_history_drops_oldest_turns_when_allowed(smollm):
             {"role": "assistant", "content": f"The answer to question {i} is {2 * i}."},
         ]
     history.append({"role": "user", "content": "And the last question?"})
-    strict = EmbeddedEngine({MODEL: smollm}, config=EngineConfig(max_context_tokens=120)).start()
+    strict = EmbeddedEngine(
+        {MODEL: smollm}, config=engine_config(max_context_tokens=120, truncate_on_overflow=False)
+    ).start()
     lenient = EmbeddedEngine(
-        {MODEL: smollm}, config=EngineConfig(max_context_tokens=120, truncate_on_overflow=True)
+        {MODEL: smollm}, config=engine_config(max_context_tokens=120, truncate_on_overflow=True)
     ).start()
     try:
         with pytest.raises(PromptError, match="tokens"):
@@ -165,7 +167,7 @@ async def test_concurrent_jobs_answer_as_each_alone(smollm):
         "What is 2+2?",
         "List the planets of the solar system in order from the sun.",
     ]
-    engine = EmbeddedEngine({MODEL: smollm}, config=EngineConfig(max_running=4, max_queue=4)).start()
+    engine = EmbeddedEngine({MODEL: smollm}, config=engine_config(max_running=4, max_queue=4)).start()
     try:
         results = await asyncio.gather(
             *(

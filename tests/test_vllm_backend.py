@@ -124,7 +124,7 @@ def stack(tmp_path: Path, start_app, make_settings, fake_upstream) -> Iterator[A
             AsyncStoreClient(socket),
         )  # type: ignore[arg-type]
         return LocalServing(
-            VllmEngine({MODEL: served}, max_running=1, max_queue=1),
+            VllmEngine({MODEL: served}, max_running=1, max_queue=1, timeout_s=600),
             index,
             replica="r1",
             reuse=True,
@@ -254,7 +254,7 @@ def test_an_unreachable_vllm_is_an_engine_error_the_client_gets_as_a_502(tmp_pat
         "float32",
         None,
     )  # type: ignore[arg-type]
-    engine = VllmEngine({MODEL: served}, max_running=1, max_queue=1)
+    engine = VllmEngine({MODEL: served}, max_running=1, max_queue=1, timeout_s=600)
 
     async def first() -> None:
         events = engine.run(

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from proxy.local_vllm.config import vllm_config
-from proxy.settings import Settings, SettingsError, parse_settings
+from proxy.settings import EmbeddedRunnerSettings, Settings, SettingsError, parse_settings
 from vllm_engine.launch import vllm_dtype, vllm_launch
 from vllm_engine.stream import Delta, Finish, StreamError, Usage, parse_event
 
@@ -77,6 +77,13 @@ def settings(tmp_path: Path, **sections: Any) -> Settings:
 def test_a_key_the_engine_would_ignore_stops_start_up_naming_it(tmp_path, sections, refusal):
     with pytest.raises(SettingsError, match=refusal.replace(".", r"\.").replace("(", r"\(")):
         settings(tmp_path, **sections)
+
+
+@pytest.mark.parametrize("named", [{}, {"engine": "embedded"}, {"engine": "transformers", "threads": 2}])
+def test_the_embedded_engine_is_the_default_and_answers_to_its_earlier_name_too(tmp_path, named):
+    runner = settings(tmp_path, local_runner=named).local_runner
+    assert isinstance(runner, EmbeddedRunnerSettings) and runner.engine == "embedded"
+    assert runner.threads == named.get("threads", 0)
 
 
 @pytest.mark.parametrize("runner", [{}, VLLM])

@@ -57,7 +57,7 @@ class VllmEngine:
     record_tier = "l1"  # vLLM's paged memory is not kvtier's L0; the store keeps a saved turn in L1
 
     def __init__(
-        self, models: dict[str, ServedModel], *, max_running: int, max_queue: int, timeout_s: float = 600
+        self, models: dict[str, ServedModel], *, max_running: int, max_queue: int, timeout_s: float
     ) -> None:
         self.models = models
         self.max_running = max_running

@@ -23,7 +23,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,23 +35,24 @@ CONNECTOR_MODULE = "vllm_engine.connector"
 
 @dataclass(frozen=True, kw_only=True)
 class VllmConfig:
-    """The vLLM engine's configuration: one vLLM OpenAI server per model, all started alike."""
+    """The vLLM engine's configuration: one vLLM OpenAI server per model, all started alike. Every field is
+    a setting: proxy/local_vllm/config.py derives it from settings.json, whose schema holds the defaults."""
 
     models: Mapping[str, str]  # served name -> its weights: an HF folder, a .gguf file, or pkg:NAME
-    python: str = ""  # the interpreter that runs vLLM ("": this one)
-    args: tuple[str, ...] = ()
-    dtype: str = "auto"
-    device: str = "auto"
-    max_running: int = 16
-    max_batch_tokens: int = 512
-    kv_cache_bytes: int = 2 << 30
-    max_context_tokens: int = 8192
+    python: str  # the interpreter that runs vLLM ("": this one)
+    args: tuple[str, ...]
+    dtype: str
+    device: str
+    max_running: int
+    max_batch_tokens: int
+    kv_cache_bytes: int
+    max_context_tokens: int
     # The connector's options but its socket (link/options.py); None: vLLM runs without the store.
-    connector: Mapping[str, Any] | None = field(default_factory=dict)
-    cache_dir: Path = Path("var/models")  # a GGUF's safetensors copy
-    log_dir: Path = Path("var/vllm")  # each server's log: <model>.<log_tag>.log
-    log_tag: str = "vllm"
-    start_timeout_s: float = 900
+    connector: Mapping[str, Any] | None
+    cache_dir: Path  # a GGUF's safetensors copy
+    log_dir: Path  # each server's log: <model>.<log_tag>.log
+    log_tag: str
+    start_timeout_s: float
 
 
 @dataclass(frozen=True)

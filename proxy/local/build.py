@@ -13,15 +13,13 @@ from pathlib import Path
 from kvtier import KVStore, StoreConfig
 from local_runner import exact_kernel
 from local_runner.compiled import use_cache_dir
-from local_runner.config import EngineConfig
 from local_runner.engine import EmbeddedEngine
 from local_runner.loader import LoadedModel, load_model
 
 from ..cluster.session_index import SessionIndex
 from ..serving.service import LocalServing, UpstreamFallback
 from ..settings import EmbeddedRunnerSettings, Settings, resolve_path, runner_settings
-
-MB = 1024 * 1024
+from .config import MB, engine_config
 
 
 def load_models(settings: Settings, base_dir: Path | None = None) -> dict[str, LoadedModel]:
@@ -72,30 +70,6 @@ def open_stores(
     }
 
 
-def engine_config(settings: Settings) -> EngineConfig:
-    """The embedded engine's options, every one of them from settings.json."""
-    lr = runner_settings(settings, EmbeddedRunnerSettings)
-    preload = settings.attention_store.preload
-    aware = settings.attention_store.scheduler_aware
-    position = settings.attention_store.position_encoding
-    return EngineConfig(
-        max_queue=lr.max_queue,
-        max_running=lr.max_running,
-        max_batch_tokens=lr.max_batch_tokens,
-        batch_invariant=lr.batch_invariant,
-        compile=lr.compile,
-        kv_budget_bytes=lr.max_running_kv_mb * MB,
-        lookahead=preload.lookahead_turns if (preload.enabled and aware.enabled) else 0,
-        scheduler_aware=aware.enabled,
-        overlap_with_compute=preload.enabled and preload.overlap_with_compute,
-        evict_on_pressure=aware.evict_on_pressure,
-        min_free_memory_bytes=lr.min_free_memory_mb * MB,
-        max_context_tokens=position.max_context_tokens,
-        truncate_on_overflow=position.truncate_on_overflow,
-        decouple=position.decouple,
-    )
-
-
 def build_local_backend(
     settings: Settings,
     index: SessionIndex,
@@ -110,7 +84,8 @@ def build_local_backend(
     exact_kernel.use_cache_dir(cache_dir)
     if lr.compile:
         use_cache_dir(cache_dir / "compiled")
-    engine = EmbeddedEngine(models, open_stores(settings, models, base_dir), engine_config(settings)).start()
+    stores = open_stores(settings, models, base_dir)
+    engine = EmbeddedEngine(models, stores, config=engine_config(settings)).start()
     return LocalServing.from_settings(
         engine, settings, index, overflow=overflow, base_dir=base_dir or Path.cwd()
     )
