@@ -74,7 +74,7 @@ bench: install-bench
 soak: install-dev
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
-# vLLM as the engine (README, "Using vLLM as the engine"): vLLM CPU 0.32.0 in a venv of its own, with
+# vLLM as the engine (docs/vllm.md): vLLM CPU 0.32.0 in a venv of its own, with
 # what attnstore's connector imports there (vllm_engine/connector.py comes from this checkout via
 # PYTHONPATH).
 # Its torchvision/torchaudio/torchcodec are not used for text models and do not match the CPU torch.

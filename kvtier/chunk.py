@@ -71,8 +71,8 @@ class ChunkKV:
 
     def host_bytes(self) -> np.ndarray | None:
         """The buffer as a uint8 numpy array [layers, 2, heads, n, head_dim * itemsize] (no copy), or None
-        off the host. numpy copies of these slices are memcpy-speed (torch's strided copy_ is ~2x slower
-        here), and uint8 covers every dtype, bfloat16 included."""
+        off the host. numpy copies of these slices run at memcpy speed (torch's strided copy_ does not),
+        and uint8 covers every dtype, bfloat16 included."""
         return host_bytes(self.buf)
 
     @property

@@ -2,9 +2,9 @@
 `freezing` does, without a compile), projections fused, and row tiles for batch invariance.
 
 Why: a step is mostly matrix products of a few rows (one per decoding job) against every weight of the
-model. torch's default CPU path for `F.linear` with 2-16 rows was measured here at about twice the time
-of one row (FACTS.md; 90 matrices of 576x1536: 37.5 ms for 1 row, 61.5 ms for 4), while a weight
-reordered for oneDNN's blocked kernels takes 25.5 / 30.0 / 38.9 / 43.8 ms for 1 / 4 / 8 / 16 rows.
+model. torch's default CPU path for `F.linear` takes about twice as long for a few rows as for one,
+while a weight reordered once for oneDNN's blocked kernels is read at close to memory speed whatever the
+row count (docs/engine.md, "Batched steps").
 
 Packing is per linear module (any architecture): float32 always, bfloat16 where the CPU has AVX-512 BF16
 or AVX-NE-CONVERT (elsewhere the module stays as it is). Not on CUDA. Whether a kernel computes each row
@@ -101,10 +101,9 @@ def rows_are_independent(
     """Is every row's result bit for bit the one it gets in a call of `min_rows` rows (alone, for 1),
     whatever the number of rows beside it (min_rows to max_rows)? A property of the kernels torch picks
     for this shape on this machine, so it is measured (on sampled rows and row counts: every count up to
-    40, those around each power of two, and the largest): MKL's float32 products differ from 2 rows on,
-    oneDNN's packed ones did not on AVX2 (2026-12-02), and a 1536 -> 576 bfloat16 product on AVX-512 BF16
-    rounded one row alone (a kernel of its own) differently from the same row among 2 to 528 (the sizes
-    this check samples), which all agreed (2026-12-03): there `min_rows=2` holds."""
+    40, those around each power of two, and the largest). Where a kernel of its own rounds one row alone
+    while every larger call agrees, `min_rows=2` holds (what each CPU measured: docs/engine.md, "Batch
+    invariance")."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(max_rows, in_features, generator=g).to(dtype=dtype, device=device)
     sampled = sorted(
@@ -178,7 +177,8 @@ class MinRowsLinear(RowsPaddedLinear):
 class MaxRowsLinear(RowsPaddedLinear):
     """At most `rows` rows per call, nothing padded: batch invariance for kernels that compute every row
     of a call of up to `rows` rows as they compute it alone, and switch to another kernel (another
-    rounding) past that (oneDNN's bfloat16 products on AMX past 32 rows, 2026-12-03). Costs nothing at
+    rounding) past that (oneDNN's bfloat16 products on AMX past 32 rows: docs/engine.md, "Batch
+    invariance"). Costs nothing at
     decoding; a prompt chunk is cut into calls of `rows` rows."""
 
     def multiply(self, flat: torch.Tensor) -> torch.Tensor:
@@ -311,9 +311,9 @@ def make_rows_invariant(
     `tile` rows. Idempotent. Returns whether every layer was measured independent afterwards (False: the
     model answers, but batch invariance is not assured).
 
-    `measured`: the rule by shape_key from an earlier run on this machine, torch and dtype (the runner
-    keeps it on disk: the measurement took 15 s of every start); shapes it lacks are measured and added
-    to it. Only the shapes measured now are verified again."""
+    `measured`: the rule by shape_key from an earlier run on this machine, torch and dtype (the engine
+    keeps it on disk, so a restart does not measure again); shapes it lacks are measured and added to
+    it. Only the shapes measured now are verified again."""
     found = [f for f in linears(model) if not isinstance(f[0], RowsPaddedLinear)]
     by_shape = measured if measured is not None else {}
     known = set(by_shape)

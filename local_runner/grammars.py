@@ -2,8 +2,8 @@
 xgrammar EBNF text (`SamplingParams.grammar`); this compiles it for the model's tokenizer, once per
 distinct grammar (xgrammar's compiler caches), off the worker thread.
 
-The compiler is built on first use: its tokenizer table costs ~0.1 s per model, nothing for a server
-that never constrains an answer.
+The compiler is built on first use: its tokenizer table is paid for per model, and never by a server that
+never constrains an answer.
 """
 
 from __future__ import annotations

@@ -84,9 +84,9 @@ class ModelStep:
         return step
 
     def warm_up(self, run: Callable[[list[Work]], object]) -> None:
-        """On the runner's thread, before the first job: run each kind of step once through `run` (the
-        step as the runner calls it), so that no client pays for lazy initialisation (kernels, allocator
-        arenas: a first 40-token prefill was ~2 s slower); then, if wanted, compile the packed step on a
+        """On the engine's thread, before the first job: run each kind of step once through `run` (the
+        step as the engine calls it), so that no client pays for lazy initialisation (kernels, allocator
+        arenas: a first prefill is much slower); then, if wanted, compile the packed step on a
         thread of its own. Jobs run on the eager step meanwhile (its linear layers as loaded: slower,
         never waiting) and on the compiled one from the step after it is ready."""
         _each_step_kind(self.lm, run)
@@ -210,10 +210,10 @@ def _decoder_stack(lm: LoadedModel) -> DecoderStack | None:
 def _make_rows_invariant(lm: LoadedModel, max_rows: int) -> None:
     """batch_invariant: a row's product must not depend on the rows beside it. The linear layers are
     wrapped once per loaded model (dense.make_rows_invariant: measured per shape; at least 2 rows per call,
-    at most 32, or padded tiles, where the kernel depends on the row count); a failed check is said, not hidden. What
-    was measured is kept per machine (rows_file): the measurement took 15 s of every start. It multiplies
-    on a thread that ends with it (loader.on_passing_thread says why: on the caller's thread it left the
-    runner's steps at half speed, 2026-12-03)."""
+    at most 32, or padded tiles, where the kernel depends on the row count); a failed check is said, not
+    hidden. What was measured is kept per machine (rows_file), so a restart reads it instead of measuring
+    again (docs/engine.md, "Batch invariance"). It multiplies on a thread that ends with it
+    (loader.on_passing_thread says why: on the engine's thread it would slow every later step)."""
     if lm.rows_invariant is None:
         path = rows_file(lm.dtype, max_rows) if lm.device.type == "cpu" else None  # a GPU: every start
         measured = _read_rows(path) if path is not None else {}
@@ -264,7 +264,7 @@ def _read_rows(path: Path) -> dict[str, str]:
 
 
 def _write_rows(path: Path, measured: dict[str, str]) -> None:
-    """Write atomically (a crash leaves the old file or none); a failure costs the next start 15 s.
+    """Write atomically (a crash leaves the old file or none); a failure costs the next start a measurement.
     The files of the same dtype, threads and rows under older digests (another dense.py, other ISA
     caps) go: at worst a start under those caps measures again."""
     try:

@@ -169,8 +169,8 @@ def test_a_linear_layer_whose_one_row_kernel_differs_gets_two_rows_per_call_not_
 
 class KernelPast32Rows(torch.nn.Linear):
     """A linear layer that computes a call of up to 32 rows as each row alone and takes another kernel
-    past that (oneDNN's bfloat16 products on AMX, 2026-12-03): some rows of a longer call round
-    differently."""
+    past that (as oneDNN's bfloat16 products on AMX do: docs/engine.md, "Batch invariance"): some rows
+    of a longer call round differently."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, 16)  # each row's products summed on its own (MKL's float32 gemm is not)
