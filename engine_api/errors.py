@@ -30,10 +30,7 @@ class EngineError(Exception):
         self, status: int, message: str, *, code: str | None = None, type_: str | None = None
     ) -> None:
         super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.type = type_
+        self.status, self.message, self.code, self.type = status, message, code, type_
 
 
 def counts_as_hit(reusable_tokens: int, prompt_tokens: int) -> bool:

@@ -6,10 +6,12 @@ from pathlib import Path
 import pytest
 
 from proxy.errors import APIError
+from proxy.metrics import Metrics
 from proxy.openai.requests import count_turn
-from proxy.turns.headers import CACHE, TIER_NAMES, cache_label, store_headers
+from proxy.turns.headers import CACHE, TIER_NAMES, cache_label
 from proxy.turns.session import prefix_fingerprint, resolve_session
 from proxy.turns.tenant import check_client_auth, tenant_of
+from proxy.turns.turn import Turn
 from proxy.upstream.forward import prompt_tokens_from_sse_tail, upstream_url
 from proxy.upstream.header_filter import outbound_headers
 
@@ -123,17 +125,12 @@ def test_cache_labels_come_from_kvtiers_tiers():
     assert [cache_label(t) for t in TIERS] == ["l0_hit", "l1_hit", "l2_hit"]
     assert cache_label("miss") == "miss" and cache_label("bypass") == "bypass"
     assert TIER_NAMES == TIERS  # the header names every tier kvtier has, in its order
-    headers = store_headers(
-        cache="l1",
-        route="local",
-        reused=32,
-        session="s",
-        ttft_ms=1.234,
-        replica="r1",
-        tiers={"l0": 16, "l1": 16},
-        position_shift=0,
+    turn = Turn(received_at=10.0, replica="r1", metrics=Metrics(), session="s")
+    turn.serve_locally()
+    turn.local_first_token(
+        cache="l1", reused=32, prompt=40, tiers={"l0": 16, "l1": 16}, position_shift=0, at=10.001234
     )
-    assert headers == {
+    assert turn.headers() == {
         CACHE: "l1_hit",
         "X-AttentionStore-Route": "local",
         "X-AttentionStore-Reused-Tokens": "32",
@@ -143,8 +140,10 @@ def test_cache_labels_come_from_kvtiers_tiers():
         "X-AttentionStore-Tiers": "l0=16,l1=16,l2=0",
         "X-AttentionStore-Position-Shift": "0",
     }
-    upstream = store_headers(cache="bypass", route="upstream", reused=0, session="s", ttft_ms=1, replica="r1")
+    turn.serve_upstream()
+    upstream = turn.headers()
     assert "X-AttentionStore-Tiers" not in upstream and upstream["X-AttentionStore-Replica"] == "r1"
+    assert upstream[CACHE] == "bypass" and upstream["X-AttentionStore-Route"] == "upstream"
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -47,13 +47,12 @@ class AppServer:
         start_timeout_s: float = 60.0,
     ) -> None:
         self._source = app
-        self.host = host
-        self.port = port
+        self.host, self.port = host, port
         # True like `attnstore serve`: a client that disconnects cancels its handler.
         self._handler_cancellation = handler_cancellation
-        self._start_timeout_s = start_timeout_s
-        # How long stop() lets in-flight requests finish before they are cancelled.
-        self._shutdown_timeout_s = shutdown_timeout_s
+        # How long start() waits for the server, and how long stop() lets in-flight requests finish
+        # before they are cancelled.
+        self._start_timeout_s, self._shutdown_timeout_s = start_timeout_s, shutdown_timeout_s
         self.app: web.Application | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None

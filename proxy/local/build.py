@@ -50,18 +50,18 @@ def open_stores(
     return {
         name: KVStore(
             StoreConfig(
+                device=lm.device,
                 l0_capacity_bytes=int(tiering.l0_gpu.capacity_mb * MB),
+                l0_eviction=tiering.l0_gpu.eviction,
                 l1_capacity_bytes=int(tiering.l1_host.capacity_mb * MB),
+                l1_eviction=tiering.l1_host.eviction,
                 l2_capacity_bytes=int(tiering.l2_disk.capacity_mb * MB),
                 l2_path=l2,
+                l2_format=tiering.l2_disk.format,
+                drop_page_cache=settings.local_runner.l2_drop_page_cache,
                 chunk_tokens=settings.local_runner.kv_chunk_tokens,
-                device=lm.device,
                 async_save=store_settings.preload.async_save,
                 placement_hint=store_settings.scheduler_aware.placement_hint,
-                drop_page_cache=settings.local_runner.l2_drop_page_cache,
-                l0_eviction=tiering.l0_gpu.eviction,
-                l1_eviction=tiering.l1_host.eviction,
-                l2_format=tiering.l2_disk.format,
             ),
             lm.layout,
             lm.fingerprint,

@@ -54,19 +54,23 @@ def vllm_config(settings: Settings, base_dir: Path) -> VllmConfig:
     store = settings.attention_store
     cache_dir = resolve_path(lr.cache_dir, base_dir)
     return VllmConfig(
+        # What runs: by which Python with which arguments, the models, on which device in which dtype.
+        python=lr.vllm_python,
+        args=tuple(lr.vllm_args),
         models={
             name: source if source.startswith("pkg:") else str(resolve_path(source, base_dir))
             for name, source in lr.models.items()
         },
-        python=lr.vllm_python,
-        args=tuple(lr.vllm_args),
-        dtype=lr.dtype,
         device=lr.device,
+        dtype=lr.dtype,
+        # Its bounds: the batch and the context.
         max_running=lr.max_running,
         max_batch_tokens=lr.max_batch_tokens,
-        kv_cache_bytes=int(store.tiering.l0_gpu.capacity_mb * MB),
         max_context_tokens=store.position_encoding.max_context_tokens,
+        # The KV: the store under vLLM (the connector's options; None: off), and vLLM's own memory (l0).
         connector=connector_options(settings, base_dir) if store.enabled else None,
+        kv_cache_bytes=int(store.tiering.l0_gpu.capacity_mb * MB),
+        # Its files and its start.
         cache_dir=cache_dir,
         log_dir=cache_dir.parent / "vllm",
         log_tag=replica_id(settings),

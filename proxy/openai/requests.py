@@ -84,6 +84,19 @@ def _load_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def _common_fields(raw: bytes, body: dict[str, Any]) -> dict[str, Any]:
+    """What a Chat Completions or Completions request carries besides its own fields: its body (raw and
+    parsed), its model and its stream flags (validated)."""
+    stream, include_usage = _stream_flags(body)
+    return {
+        "body": body,
+        "raw": raw,
+        "model": body["model"],
+        "stream": stream,
+        "include_usage": include_usage,
+    }
+
+
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     """(stream, include_usage), validated."""
     stream = body.get("stream")
@@ -109,16 +122,7 @@ def parse_chat(raw: bytes) -> ChatRequest:
         content = msg.get("content")
         if content is not None and not isinstance(content, str | list):
             raise bad_request(f"messages[{i}].content must be a string or an array.", param="messages")
-    stream, include_usage = _stream_flags(body)
-    return ChatRequest(
-        body=body,
-        raw=raw,
-        model=body["model"],
-        stream=stream,
-        include_usage=include_usage,
-        turn=count_turn(messages),
-        messages=messages,
-    )
+    return ChatRequest(**_common_fields(raw, body), turn=count_turn(messages), messages=messages)
 
 
 def _is_token_ids(value: object) -> bool:
@@ -152,16 +156,7 @@ def parse_completion(raw: bytes) -> CompletionRequest:
             "token-id arrays.",
             param="prompt",
         )
-    stream, include_usage = _stream_flags(body)
-    return CompletionRequest(
-        body=body,
-        raw=raw,
-        model=body["model"],
-        stream=stream,
-        include_usage=include_usage,
-        turn=0,
-        prompt=_one_prompt(prompt),
-    )
+    return CompletionRequest(**_common_fields(raw, body), turn=0, prompt=_one_prompt(prompt))
 
 
 # Responses input roles -> chat roles; item content part types that carry text.

@@ -13,9 +13,12 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from .requests import ResponsesRequest
 
 # Echoed back in the response object as the request gave them (OpenAI does the same).
 _ECHOED = ("metadata", "temperature", "top_p", "max_output_tokens", "user", "truncation", "service_tier")
@@ -38,6 +41,11 @@ class ResponseShape:
     created_at: int = field(default_factory=lambda: int(time.time()))
     item_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     sequence: int = 0
+
+    @classmethod
+    def answering(cls, response_id: str, req: ResponsesRequest) -> ResponseShape:
+        """The shape of the response `response_id` that answers `req`."""
+        return cls(response_id, req.model, req.body, req.instructions, req.previous_response_id, req.store)
 
     def message(self, text: str, status: str) -> dict[str, Any]:
         return {

@@ -168,10 +168,9 @@ class ChatAnswer(Answer):
         return out + self._calls(index, calls) + self._chunk(index, {}, choice.reason(done))
 
     def closing(self, total: Finished) -> bytes:
-        out = b""
-        if self.include_usage:
-            out = chat_wire.chunk(self.ids, None, include_usage=True, usage_=_usage(total))
-        return out + chat_wire.DONE
+        if not self.include_usage:
+            return chat_wire.DONE
+        return chat_wire.chunk(self.ids, None, include_usage=True, usage_=_usage(total)) + chat_wire.DONE
 
     def body(self, total: Finished) -> dict[str, Any]:
         bodies = []
@@ -226,18 +225,17 @@ class CompletionAnswer(Answer):
         reason = _finish_reason(done)
         return completion_wire.chunk(self.ids, "", reason, index=index, include_usage=self.include_usage)
 
-    def closing(self, total: Finished) -> bytes:
-        out = b""
-        if self.include_usage:
-            out = completion_wire.chunk(self.ids, None, include_usage=True, usage=_usage(total))
-        return out + chat_wire.DONE
-
     def body(self, total: Finished) -> dict[str, Any]:
         choices = []
         for index, done in enumerate(self.done):
             assert done is not None
             choices.append(completion_wire.choice(self.choice_text(index), _finish_reason(done), index))
         return {**completion_wire.envelope(self.ids, choices), "usage": _usage(total)}
+
+    def closing(self, total: Finished) -> bytes:
+        if not self.include_usage:
+            return chat_wire.DONE
+        return completion_wire.chunk(self.ids, None, include_usage=True, usage=_usage(total)) + chat_wire.DONE
 
 
 class ResponsesAnswer(Answer):

@@ -109,14 +109,14 @@ class LocalServing:
         tool_call_parsers: Mapping[str, str] | None = None,
     ) -> None:
         self.engine = engine
+        self.prompts = PromptBuilder(engine, truncate=truncate_on_overflow, threads=tokenize_threads)
         self.index = index
+        self.responses = ResponseStore(index, max_stored_responses)
         self.replica = replica
         self.reuse = reuse
         self.default_max_tokens = default_max_tokens
-        self.prompts = PromptBuilder(engine, truncate=truncate_on_overflow, threads=tokenize_threads)
         self.overflow = overflow  # None: a full queue is a 503
         self.upstream_model = upstream_model  # the model the upstream serves too ("": none)
-        self.responses = ResponseStore(index, max_stored_responses)
         self._templates = dict(chat_templates or {})  # served model -> its chat template's text
         self._parsers = dict(tool_call_parsers or {})  # served model -> its tool-call format
         self._setups: dict[str, ChatSetup] = {}
@@ -279,15 +279,9 @@ class LocalServing:
     ) -> Answer:
         fingerprint = f"fp_attnstore_{self.engine.fingerprint(req.model)}"
         if isinstance(req, ResponsesRequest):
-            shape = responses_wire.ResponseShape(
-                id=turn.session,
-                model=req.model,
-                request=req.body,
-                instructions=req.instructions,
-                previous_response_id=req.previous_response_id,
-                store=req.store,
+            return ResponsesAnswer(
+                responses_wire.ResponseShape.answering(turn.session, req), stream=req.stream
             )
-            return ResponsesAnswer(shape, stream=req.stream)
         if isinstance(req, CompletionRequest):
             return CompletionAnswer(
                 req.model, fingerprint, stream=req.stream, include_usage=req.include_usage, n=n

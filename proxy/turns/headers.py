@@ -1,6 +1,6 @@
 """The X-AttentionStore-* headers: the names, and the values every chat completion carries (local or upstream).
 
-`proxy.turns.turn.Turn` is what sets them on an answer; `store_headers` only formats them."""
+`proxy.turns.turn.Turn` builds them for an answer (`Turn.headers`); this module names and formats them."""
 
 from __future__ import annotations
 
@@ -35,31 +35,3 @@ def cache_label(level: CacheLevel) -> str:
 def tiers_value(tokens_by_tier: Mapping[str, int]) -> str:
     """`l0=<n>,l1=<n>,l2=<n>`: reused tokens from each tier, every tier named."""
     return ",".join(f"{t}={int(tokens_by_tier.get(t, 0))}" for t in TIER_NAMES)
-
-
-def store_headers(
-    *,
-    cache: CacheLevel,
-    route: RouteName,
-    reused: int,
-    session: str,
-    ttft_ms: float,
-    replica: str,
-    tiers: Mapping[str, int] | None = None,
-    position_shift: int | None = None,
-) -> dict[str, str]:
-    """The X-AttentionStore-* headers as a dict, ready for `web.Response(headers=...)`. Local turns
-    also give `tiers` (reused tokens per tier) and `position_shift`."""
-    headers = {
-        CACHE: cache_label(cache),
-        ROUTE: route,
-        REUSED: str(int(reused)),
-        SESSION: session,
-        TTFT: f"{ttft_ms:.2f}",
-        REPLICA: replica,
-    }
-    if tiers is not None:
-        headers[TIERS] = tiers_value(tiers)
-    if position_shift is not None:
-        headers[POSITION_SHIFT] = str(int(position_shift))
-    return headers

@@ -30,7 +30,20 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from ..metrics import Metrics
-from .headers import TTFT, CacheLevel, RouteName, cache_label, store_headers
+from .headers import (
+    CACHE,
+    POSITION_SHIFT,
+    REPLICA,
+    REUSED,
+    ROUTE,
+    SESSION,
+    TIERS,
+    TTFT,
+    CacheLevel,
+    RouteName,
+    cache_label,
+    tiers_value,
+)
 from .session import SESSION_HEADER, is_valid_session_id
 from .tenant import ANONYMOUS
 
@@ -120,17 +133,21 @@ class Turn:
         return (end - self.received_at) * 1000.0
 
     def headers(self) -> dict[str, str]:
-        """The X-AttentionStore-* headers for this turn as it stands."""
-        return store_headers(
-            cache=self.cache,
-            route=self.route,
-            reused=self.reused,
-            session=self.session,
-            ttft_ms=self.ttft_ms,
-            replica=self.replica,
-            tiers=self.tiers,
-            position_shift=self.position_shift,
-        )
+        """The X-AttentionStore-* headers for this turn as it stands, ready for `web.Response(headers=...)`;
+        a local turn's also name its reused tokens per tier and its position shift."""
+        headers = {
+            CACHE: cache_label(self.cache),
+            ROUTE: self.route,
+            REUSED: str(int(self.reused)),
+            SESSION: self.session,
+            TTFT: f"{self.ttft_ms:.2f}",
+            REPLICA: self.replica,
+        }
+        if self.tiers is not None:
+            headers[TIERS] = tiers_value(self.tiers)
+        if self.position_shift is not None:
+            headers[POSITION_SHIFT] = str(int(self.position_shift))
+        return headers
 
     def tag(self, response: web.StreamResponse) -> None:
         """Add the headers to an answer built elsewhere (an error), keeping any it already carries."""
