@@ -67,7 +67,7 @@ def fits_exact_linear(linear: nn.Linear) -> bool:
     )
 
 
-def can_pack(dtype: torch.dtype, device: torch.device) -> str | None:
+def can_pack_linears(dtype: torch.dtype, device: torch.device) -> str | None:
     """None when linear weights of this dtype can be packed here, else why not."""
     if device.type != "cpu":
         return f"{device.type} runs its own matrix kernels"

@@ -30,8 +30,7 @@ from engine_api.tokenizers import ThreadTokenizers
 from kvtier import KVLayout
 
 from .decoder import DecoderStack, fuse_projections
-from .dense import can_pack as can_pack_linears
-from .dense import pack_linears
+from .dense import can_pack_linears, pack_linears
 
 log = logging.getLogger("attnstore.runner")
 
@@ -67,7 +66,7 @@ class LoadedModel:
         self.tokenizers = ThreadTokenizers(self.tokenizer)
 
 
-def resolve_device(device: str) -> torch.device:
+def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
@@ -76,7 +75,7 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str, device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
+def pick_dtype(dtype: str, device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
     """The dtype named, or `auto`'s choice for this device (model_source.auto_dtype)."""
     if dtype == "auto":
         dtype = auto_dtype(device.type == "cuda", cpu_flags() if flags is None else flags)
@@ -102,7 +101,7 @@ def load_model(
     threads: int = 0,
 ) -> LoadedModel:
     """Load (converting a GGUF once, into `cache_dir`) and prepare a model, on a thread of its own
-    (on_passing_thread). `auto` and 0 pick what this machine runs best (resolve_device, resolve_dtype,
+    (on_passing_thread). `auto` and 0 pick what this machine runs best (pick_device, pick_dtype,
     configure_threads)."""
     return on_passing_thread(
         _load_model, name, source, device=device, dtype=dtype, cache_dir=cache_dir, threads=threads
@@ -124,8 +123,8 @@ def _load_model(
 ) -> LoadedModel:
     started = time.perf_counter()
     configure_threads(threads)
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
     path = resolve_source(source)
     digest = file_digest(path)
     folder = path

@@ -34,7 +34,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def build(settings: Settings) -> web.Application | None:
+def serving_app(settings: Settings) -> web.Application | None:
     """The app `serve` runs, or None (logged in one line) when a local model cannot load. torch loads only
     when the local runner is enabled: an upstream-only proxy (or a bad settings file) starts in a blink."""
     from .http.app import build_full_app
@@ -64,7 +64,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"attnstore: {refusal}", file=sys.stderr)
         return 2
     try:
-        app = build(settings)
+        app = serving_app(settings)
     except SettingsError as exc:  # found at start: the L2 folder cannot be made
         print(f"attnstore: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from msgspec import Meta, Struct, field
 
 from .settings_vllm import RefusedSetting, check_vllm
 
+MB = 1024 * 1024  # bytes in one of the schema's *_mb
 NonNegativeMB = Annotated[float, Meta(ge=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from local_runner.loader import LoadedModel, load_model, resolve_dtype
+from local_runner.loader import LoadedModel, load_model, pick_dtype
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -17,7 +17,7 @@ MODEL = DEFAULT_MODEL_NAME
 
 # What `dtype: auto` loads on this machine's CPU (bfloat16 where it has native bfloat16 arithmetic): the
 # dtype a server started at its default settings runs, so a recompute compared with one must run it too.
-DEFAULT_DTYPE = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+DEFAULT_DTYPE = str(pick_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
 
 
 @pytest.fixture(scope="session")

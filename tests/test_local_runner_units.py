@@ -12,7 +12,7 @@ from engine_api.prompt import fit_history, render_prompt
 from engine_api.tokenizers import ThreadTokenizers
 from local_runner.job_kv import JobKV
 from local_runner.kv_slots import SlotPool
-from local_runner.loader import resolve_dtype
+from local_runner.loader import pick_dtype
 from local_runner.packed_attention import can_pack
 from local_runner.step import Work, run_packed, run_per_job
 from local_runner.text_stream import TextStream
@@ -217,11 +217,11 @@ def test_fit_history_drops_oldest_turns_but_keeps_system_and_last_message():
 
 def test_dtype_auto_follows_the_cpu():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_dtype("auto", cpu, frozenset({"avx2", "avx512_bf16"})) == torch.bfloat16
-    assert resolve_dtype("auto", cpu, frozenset({"avx2", "amx_bf16"})) == torch.bfloat16
-    assert resolve_dtype("auto", cpu, frozenset({"avx2", "avx512f"})) == torch.float32
-    assert resolve_dtype("auto", cuda, frozenset()) == torch.bfloat16
-    assert resolve_dtype("float32", cpu, frozenset({"avx512_bf16"})) == torch.float32
+    assert pick_dtype("auto", cpu, frozenset({"avx2", "avx512_bf16"})) == torch.bfloat16
+    assert pick_dtype("auto", cpu, frozenset({"avx2", "amx_bf16"})) == torch.bfloat16
+    assert pick_dtype("auto", cpu, frozenset({"avx2", "avx512f"})) == torch.float32
+    assert pick_dtype("auto", cuda, frozenset()) == torch.bfloat16
+    assert pick_dtype("float32", cpu, frozenset({"avx512_bf16"})) == torch.float32
 
 
 def test_only_llama_style_models_take_the_packed_step():

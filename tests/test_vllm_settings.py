@@ -15,7 +15,7 @@ import pytest
 from proxy.local_vllm.config import vllm_config
 from proxy.settings import EmbeddedRunnerSettings, Settings, SettingsError, parse_settings
 from vllm_engine.launch import vllm_dtype, vllm_launch
-from vllm_engine.stream import Delta, Finish, StreamError, Usage, parse_event
+from vllm_engine.stream import Delta, Finish, StreamError, TokenUsage, parse_event
 
 VLLM = {"engine": "vllm", "vllm_args": ["-O0"]}
 # What the vLLM engine does not implement is set to false (their defaults are true).
@@ -157,7 +157,7 @@ def test_vllms_stream_reads_as_deltas_finish_and_usage():
     assert parse_event(b'data: {"choices":[{"text":"Hi","finish_reason":null}]}\n') == [Delta("Hi")]
     assert parse_event(b'data: {"choices":[{"text":"","finish_reason":"length"}]}') == [Finish("length")]
     assert parse_event(b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}') == [
-        Usage(5, 2)
+        TokenUsage(5, 2)
     ]
     assert parse_event(b'data: {"error":{"message":"boom"}}') == [StreamError("boom")]
     assert parse_event(b"data: [DONE]") == [] and parse_event(b"\n") == [] and parse_event(b": ping") == []

@@ -36,7 +36,7 @@ from kvtier.tier_names import tier_rank
 from .link.wire import AsyncStoreClient, StoreError, StoreUnavailable
 from .server import VllmServer
 from .store_view import forget, store_stats
-from .stream import Delta, Finish, StreamError, Usage, completion_events
+from .stream import Delta, Finish, StreamError, TokenUsage, completion_events
 
 log = logging.getLogger("attnstore")
 REPORT_WAIT_S = 2.0  # the store reports a turn before its first token; this covers a busy machine
@@ -152,7 +152,7 @@ class VllmEngine:
         """vLLM's stream as the engine's events: FirstToken when its first chunk arrives (with the
         store's report), then text, then Finished with the keys the store saved for the turn."""
         first: FirstToken | None = None
-        reason, usage = "stop", Usage(0, 0)
+        reason, usage = "stop", TokenUsage(0, 0)
         try:
             async for item in stream:
                 if first is None:
@@ -162,7 +162,7 @@ class VllmEngine:
                     yield TextDelta(item.text, _top(item.logprobs, gen.sampling.logprobs))
                 elif isinstance(item, Finish):
                     reason = item.reason
-                elif isinstance(item, Usage):
+                elif isinstance(item, TokenUsage):
                     usage = item
                 elif isinstance(item, StreamError):
                     yield Failed(f"vLLM: {item.message}", status=502)

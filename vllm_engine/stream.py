@@ -1,4 +1,4 @@
-"""vLLM's streamed /v1/completions answer, read as events: text deltas, the finish, the usage.
+"""vLLM's streamed /v1/completions answer, read as stream items: text deltas, the finish, the usage.
 
 The backend always asks vLLM for a stream (with the usage at its end), whether or not its client
 streams: the first chunk is the first token, which is when the turn's headers (its TTFT and what it
@@ -28,7 +28,7 @@ class Finish:
 
 
 @dataclass(frozen=True)
-class Usage:
+class TokenUsage:
     prompt_tokens: int
     completion_tokens: int
 
@@ -38,10 +38,10 @@ class StreamError:
     message: str
 
 
-Event = Delta | Finish | Usage | StreamError
+StreamItem = Delta | Finish | TokenUsage | StreamError
 
 
-def parse_event(line: bytes) -> list[Event]:
+def parse_event(line: bytes) -> list[StreamItem]:
     """The events of one SSE line (`data: {...}`); nothing for blank lines, comments and [DONE]."""
     line = line.strip()
     if not line.startswith(b"data:"):
@@ -53,7 +53,7 @@ def parse_event(line: bytes) -> list[Event]:
     if "error" in body:
         error = body["error"]
         return [StreamError(str(error.get("message") if isinstance(error, dict) else error))]
-    events: list[Event] = []
+    events: list[StreamItem] = []
     for choice in body.get("choices") or ():
         logprobs = _logprobs(choice.get("logprobs"))
         if choice.get("text") or logprobs:
@@ -62,7 +62,7 @@ def parse_event(line: bytes) -> list[Event]:
             events.append(Finish("length" if choice["finish_reason"] == "length" else "stop"))
     usage = body.get("usage")
     if usage:
-        events.append(Usage(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))))
+        events.append(TokenUsage(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))))
     return events
 
 
@@ -84,7 +84,7 @@ def _logprobs(doc: object) -> list[TokenLogprob] | None:
     return out
 
 
-async def completion_events(response: ClientResponse) -> AsyncIterator[Event]:
+async def completion_events(response: ClientResponse) -> AsyncIterator[StreamItem]:
     async for line in response.content:
         for event in parse_event(line):
             yield event

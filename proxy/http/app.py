@@ -20,7 +20,7 @@ from ..upstream.forward import HTTP_CLIENT, upstream_fallback
 from .middleware import error_middleware
 from .routes_misc import healthz, list_models
 from .routes_passthrough import PASSTHROUGH_PATH, pass_through
-from .routes_store import delete_session, metrics, stats, store_stats
+from .routes_store import delete_session, metrics, stats, stats_by_model
 from .routes_turns import chat_completions, completions, create_response, delete_response, get_response
 from .server_log import install_bad_request_log
 
@@ -89,7 +89,7 @@ def build_app(
     app[LOCAL_BACKEND] = None  # until the app starts
     app[SESSION_INDEX] = index or MemorySessionIndex()
     # Read at scrape time, on the thread that renders the metrics (never on the event loop).
-    app[METRICS] = Metrics(lambda: store_stats(local_engine(app)))
+    app[METRICS] = Metrics(lambda: stats_by_model(local_engine(app)))
     app[METRICS].registry.register(EngineCollector(lambda: e.stats() if (e := local_engine(app)) else None))
     app.cleanup_ctx.append(_http_client)
     app.cleanup_ctx.append(_session_index)

@@ -37,7 +37,7 @@ def _per_model(snapshot: EngineStats | None) -> dict[str, dict[str, Any]]:
     return {name: s.to_dict() for name, s in snapshot.stores.items()} if snapshot else {}
 
 
-def store_stats(engine: Engine | None) -> dict[str, dict[str, Any]]:
+def stats_by_model(engine: Engine | None) -> dict[str, dict[str, Any]]:
     """Every model's store stats as JSON-able dicts. Blocking (it takes the stores' locks): call it off
     the event loop."""
     return _per_model(engine.stats() if engine else None)

@@ -18,8 +18,8 @@ from local_runner.loader import LoadedModel, load_model
 
 from ..cluster.session_index import SessionIndex
 from ..serving.service import LocalServing, UpstreamFallback
-from ..settings import EmbeddedRunnerSettings, Settings, resolve_path, runner_settings
-from .config import MB, engine_config
+from ..settings import MB, EmbeddedRunnerSettings, Settings, resolve_path, runner_settings
+from .config import engine_config
 
 
 def load_models(settings: Settings, base_dir: Path | None = None) -> dict[str, LoadedModel]:

@@ -11,9 +11,7 @@ from typing import Any
 
 from local_runner.config import EngineConfig
 
-from ..settings import EmbeddedRunnerSettings, Settings, runner_settings
-
-MB = 1024 * 1024
+from ..settings import MB, EmbeddedRunnerSettings, Settings, runner_settings
 
 
 def engine_config(settings: Settings | None = None, **fields: Any) -> EngineConfig:

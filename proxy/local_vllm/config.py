@@ -23,9 +23,7 @@ from typing import Any
 
 from vllm_engine.launch import VllmConfig
 
-from ..settings import Settings, VllmRunnerSettings, replica_id, resolve_path, runner_settings
-
-MB = 1024 * 1024
+from ..settings import MB, Settings, VllmRunnerSettings, replica_id, resolve_path, runner_settings
 
 
 def connector_options(settings: Settings, base_dir: Path) -> dict[str, Any]:

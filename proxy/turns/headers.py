@@ -19,7 +19,7 @@ ROUTE = "X-AttentionStore-Route"
 REUSED = "X-AttentionStore-Reused-Tokens"
 SESSION = "X-AttentionStore-Session"
 TTFT = "X-AttentionStore-TTFT-Ms"
-TIERS = "X-AttentionStore-Tiers"
+TIERS_HEADER = "X-AttentionStore-Tiers"  # (TIERS is kvtier's tuple of tier names)
 POSITION_SHIFT = "X-AttentionStore-Position-Shift"
 REPLICA = "X-AttentionStore-Replica"
 # On a turn one replica forwards to another (one hop at most: a request carrying it is served where it lands).

@@ -37,7 +37,7 @@ from .headers import (
     REUSED,
     ROUTE,
     SESSION,
-    TIERS,
+    TIERS_HEADER,
     TTFT,
     CacheLevel,
     RouteName,
@@ -144,7 +144,7 @@ class Turn:
             REPLICA: self.replica,
         }
         if self.tiers is not None:
-            headers[TIERS] = tiers_value(self.tiers)
+            headers[TIERS_HEADER] = tiers_value(self.tiers)
         if self.position_shift is not None:
             headers[POSITION_SHIFT] = str(int(self.position_shift))
         return headers
