@@ -8,9 +8,10 @@ KV stores, the scheduler and the worker thread. A turn is submitted (`run`; test
     schedule     admit waiting jobs that fit (round-robin between clients) and start them (lookup,
                  restore into their slot); tell the stores what the queue looks like and prefetch the
                  look-ahead window (store_hints.py); plan the step (scheduler.py)
-    run          one forward per model for the step's work: packed (every job of the model in one
-                 forward, decoding jobs attending in one call per layer) or one forward per job for other
-                 architectures; a forward that fails is retried, or ends its jobs only, never the worker
+    run          one forward per model for the step's work (step_run.py): packed (every job of the model
+                 in one forward, decoding jobs attending in one call per layer) or one forward per job
+                 for other architectures; a forward that fails is retried, or ends its jobs only, never
+                 the worker; short of memory, the stores give some back (memory_guard.py)
     postprocess  each job takes its tokens (sample, stream text, stop); jobs that ended go to the save
                  hand-off (save_handoff.py), a thread of its own, so a step never waits on a save or a
                  restore settling
@@ -19,10 +20,9 @@ Compute never runs on the event loop: `run` and `submit` only queue a job; its e
 through the outbox, one wake-up per step (jobs.py).
 
 Ownership (who writes what; everything else only reads):
-- the engine: `steps`, `pools`, `stores`, `scheduler`, `counters`, `outbox`, the store hints and the
-  save hand-off, all made in the constructor and never replaced, so any thread may read them (each
-  guards what changes inside); `_results`, on the worker's thread only (run fills it, postprocess
-  empties it);
+- the engine: `steps`, `pools`, `stores`, `scheduler`, `counters`, `outbox` and its helpers (`hints`,
+  `handoff`, `memory`, `step_run`), all made in the constructor and never replaced, so any thread may
+  read them (each guards what changes inside);
 - the scheduler: the queue, the running jobs and their counters (scheduler.py);
 - each job's state: its own fields (job_state.py).
 """
@@ -42,7 +42,7 @@ from transformers import PreTrainedTokenizerBase
 from engine_api.errors import QueueFull, counts_as_hit
 from engine_api.stats import EngineStats
 from engine_api.turn import Event, Failed, Finished, GenerationRequest
-from kvtier import KVLoadError, KVStore, available_memory_bytes
+from kvtier import KVStore
 
 from .config import EngineConfig
 from .grammars import Grammars
@@ -50,19 +50,17 @@ from .job_state import JobState, Status
 from .jobs import Job, Outbox
 from .kv_slots import SlotPool
 from .loader import LoadedModel
+from .memory_guard import MemoryGuard
 from .model_step import ModelStep
 from .realign import ShiftStats
 from .rope_config import rope_shift_for
 from .rope_shift import RopeShift
 from .save_handoff import SaveHandoff
 from .scheduler import Scheduler
-from .step import Work
+from .step_run import Result, StepRun
 from .store_hints import StoreHints
 
 log = logging.getLogger("attnstore.runner")
-
-# One job's work in a step, as the scheduler plans it.
-StepItem = tuple[JobState, Work]
 
 
 class EngineCounters:
@@ -129,14 +127,14 @@ class EmbeddedEngine:
             for name, lm in self.models.items()
         }
         self.pools = {name: step.pool for name, step in self.steps.items()}
-        self.scheduler = Scheduler(config, self.pools, self._job_bytes)
+        self.scheduler = Scheduler(config, self.pools)
+        self.memory = MemoryGuard(config, self.pools, self.stores)
+        self.step_run = StepRun(self.steps, self.memory)
         self.hints = StoreHints(
             self.stores, lookahead=config.lookahead, scheduler_aware=config.scheduler_aware
         )
         self.handoff = SaveHandoff(self.scheduler)
         self.outbox = Outbox()  # the events of a step, handed to the event loop once per step
-        # What this step's forwards fed and the logits they gave, per job (worker's thread only).
-        self._results: list[tuple[JobState, list[int], torch.Tensor | None]] = []
         self._worker = threading.Thread(target=self._serve, name="attnstore-runner", daemon=True)
         self.outbox.thread = self._worker
 
@@ -276,6 +274,7 @@ class EmbeddedEngine:
             request,
             loop or asyncio.get_running_loop(),
             max_tokens=max(1, min(request.sampling.max_tokens, room)),
+            bytes_per_token=self.models[request.model].layout.bytes_per_token,
             on_cancel=self.scheduler.drop_waiting,
             outbox=self.outbox,
         )
@@ -289,9 +288,7 @@ class EmbeddedEngine:
         try:
             self._schedule()
             plan = self.scheduler.plan()
-            if plan:
-                self._run(plan)
-            self._postprocess()
+            self._postprocess(self.step_run.run(plan) if plan else [])
         finally:
             self.outbox.flush()
 
@@ -309,7 +306,7 @@ class EmbeddedEngine:
             job.emit(Finished("cancelled", len(job.request.prompt_ids), 0, 0))
             pool.release(slot)
             return None
-        refusal = self._memory_refusal(job)
+        refusal = self.memory.refusal(job)
         if refusal is not None:
             job.emit(Failed(refusal, status=503, code="memory_pressure"))
             pool.release(slot)
@@ -322,7 +319,7 @@ class EmbeddedEngine:
                 return state
             except torch.OutOfMemoryError:
                 _abandon(state)
-                if attempt == 1 and self._free_device_memory():
+                if attempt == 1 and self.memory.free_device_memory():
                     continue
                 job.emit(
                     Failed("the device is out of memory; retry later", status=503, code="memory_pressure")
@@ -361,66 +358,7 @@ class EmbeddedEngine:
                 return state
         return None
 
-    def _run(self, plan: list[StepItem]) -> None:
-        by_model: dict[str, list[StepItem]] = {}
-        for item in plan:
-            by_model.setdefault(item[0].job.request.model, []).append(item)
-        for model, items in by_model.items():
-            if self.steps[model].packed:
-                self._run_packed(items)
-            else:
-                for item in items:
-                    self._run_isolated([item])
-
-    def _run_packed(self, items: list[StepItem]) -> None:
-        try:
-            self._forward(items)
-        except torch.OutOfMemoryError:
-            freed = self._free_device_memory()
-            for item in items:
-                if freed:
-                    self._run_isolated([item])
-                else:
-                    item[0].fail(
-                        MemoryError("the device is out of memory"), status=503, code="memory_pressure"
-                    )
-        except KVLoadError:
-            # A job running alone on a restore that failed mid-way: it recomputes; the step is redone.
-            for state, _ in items:
-                if state.restored is not None:
-                    state.recompute(KVLoadError("restore failed"))
-        except Exception as exc:
-            if len(items) == 1:  # nothing to isolate: this job is the failing one
-                items[0][0].fail(exc)
-                return
-            log.warning("a batched step failed; running its jobs one by one to find the failing one")
-            for item in items:
-                self._run_isolated([item])
-
-    def _run_isolated(self, items: list[StepItem]) -> None:
-        """One job's work alone. A device out of memory demotes L0 (with evict_on_pressure) and runs it
-        once more before the job fails."""
-        state = items[0][0]
-        for attempt in (1, 2):
-            try:
-                self._forward(items)
-            except KVLoadError as exc:
-                state.recompute(exc)
-            except torch.OutOfMemoryError:
-                if attempt == 1 and self._free_device_memory():
-                    continue
-                state.fail(MemoryError("the device is out of memory"), status=503, code="memory_pressure")
-            except Exception as exc:  # a bug ends this job only, never the worker
-                state.fail(exc)
-            return
-
-    def _forward(self, items: list[StepItem]) -> None:
-        """One forward over the items' work (every item is of one model); the logits kept for postprocess."""
-        logits = self.steps[items[0][0].job.request.model].forward([work for _, work in items])
-        self._results += [(state, work.tokens, row) for (state, work), row in zip(items, logits, strict=True)]
-
-    def _postprocess(self) -> None:
-        results, self._results = self._results, []
+    def _postprocess(self, results: list[Result]) -> None:
         for state, fed, logits in results:
             state.advance(fed, logits)  # sample, stream text, stop (never raises: a failure ends the job)
         ended = self.scheduler.ended()
@@ -428,51 +366,6 @@ class EmbeddedEngine:
             self.outbox.flush()
         for state in ended:
             self.handoff.save(state)
-
-    # -- memory pressure ------------------------------------------------------------------------------
-
-    def _job_bytes(self, job: Job) -> int:
-        req = job.request
-        return (len(req.prompt_ids) + job.max_tokens) * self.models[req.model].layout.bytes_per_token
-
-    def _memory_refusal(self, job: Job) -> str | None:
-        """Before a job's buffers are allocated: is the machine short of memory (below the configured
-        free memory, whatever the tier capacities say)? With evict_on_pressure the stores drop memory
-        copies of chunks that are safe on disk and the job runs; without, it is refused (503)."""
-        min_free = self.config.min_free_memory_bytes
-        if not min_free:
-            return None
-        available = available_memory_bytes()
-        if available is None:
-            return None
-        short = min_free + self._job_bytes(job) - available
-        if short <= 0:
-            return None
-        mb = 1024 * 1024
-        if self.config.evict_on_pressure:
-            for pool in self.pools.values():
-                pool.give_back()  # pages of free KV slots, first (what they held is gone already)
-            freed = sum(store.shed_memory(short) for store in self.stores.values())
-            log.warning(
-                "memory pressure: %d MB available, %d MB to keep free; dropped %d MB of stored KV from memory",
-                available // mb,
-                min_free // mb,
-                freed // mb,
-            )
-            return None
-        return (
-            f"the local runner is short of memory ({available // mb} MB available, "
-            f"{min_free // mb} MB kept free); retry later"
-        )
-
-    def _free_device_memory(self) -> bool:
-        """A CUDA out-of-memory in a step: with evict_on_pressure, demote L0 (the device tier) and let
-        the step run again; without, the job fails (503)."""
-        if not self.config.evict_on_pressure:
-            return False
-        freed = sum(store.shed_device_memory() for store in self.stores.values())
-        log.warning("device out of memory: moved %d MB of stored KV off the device", freed // (1024 * 1024))
-        return freed > 0
 
 
 def _abandon(state: JobState | None) -> None:

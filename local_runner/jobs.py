@@ -48,8 +48,8 @@ class Job:
     """One submitted request as its client and the engine share it: the event stream between them and
     the cancel flag. The engine's view of a running job (slot, fed tokens, status) is its `JobState`.
 
-    Owners: `request` is the caller's (read-only here); `max_tokens`, `submitted_at`, `loop` and `outbox`
-    are set once at construction; `_events` is written on `loop` only (`_deliver`); `_cancelled` is a
+    Owners: `request` is the caller's (read-only here); `max_tokens`, `kv_bytes`, `submitted_at`, `loop`
+    and `outbox` are set once at construction; `_events` is written on `loop` only (`_deliver`); `_cancelled` is a
     thread-safe flag set by `cancel` (the client) or `_unreachable` (its loop closed); `done` is written
     by `emit` alone, when the last event goes out (from whichever side ends the job: the worker, its save
     hand-off, or the scheduler refusing it in the queue), and only ever from False to True."""
@@ -60,12 +60,16 @@ class Job:
         loop: asyncio.AbstractEventLoop,
         *,
         max_tokens: int | None = None,
+        bytes_per_token: int = 0,
         on_cancel: Callable[[Job], None] | None = None,
         outbox: Outbox | None = None,
     ):
         self.request = request
         # The answer's cap: what the request asks, or less so that prompt + answer fit the context.
         self.max_tokens = request.sampling.max_tokens if max_tokens is None else max_tokens
+        # The KV its prompt and capped answer may take (its model's bytes per token): what admission
+        # reserves for it.
+        self.kv_bytes = (len(request.prompt_ids) + self.max_tokens) * bytes_per_token
         self.submitted_at = time.monotonic()  # queue wait = admission - this
         self.loop = loop
         self._events: asyncio.Queue[Event] = asyncio.Queue()

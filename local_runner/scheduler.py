@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine_api.errors import QueueFull
@@ -52,10 +52,9 @@ class SchedulerCounts:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pools: Mapping[str, SlotPool], job_bytes: Callable[[Job], int]):
+    def __init__(self, config: EngineConfig, pools: Mapping[str, SlotPool]):
         self.config = config
         self.pools = dict(pools)
-        self._job_bytes = job_bytes
         # A prompt chunk's size with batch_invariant: the same whatever else runs.
         self.invariant_chunk = max(MIN_PREFILL_TOKENS, config.max_batch_tokens - config.max_running)
         # Shared state, all of it owned (written) by this scheduler only. `cond` guards the queue,
@@ -150,13 +149,13 @@ class Scheduler:
         A job that does not fit (no slot of its model, or past the KV budget while others run) waits,
         and so does everything behind it: admission order is the fairness."""
         taken: list[tuple[Job, SlotPool, int]] = []
-        reserved = sum(self._job_bytes(s.job) for s in self.running if s.computing)
+        reserved = sum(s.job.kv_bytes for s in self.running if s.computing)
         computing = sum(1 for s in self.running if s.computing)
         with self.cond:
             while len(self.queue) and computing + len(taken) < self.config.max_running:
                 job = self.queue.peek()
                 assert job is not None
-                need = self._job_bytes(job)
+                need = job.kv_bytes
                 budget = self.config.kv_budget_bytes
                 if budget and (computing or taken) and reserved + need > budget:
                     break
