@@ -1,4 +1,4 @@
-"""The engine interface: what an engine (the embedded `local_runner.EmbeddedEngine`, or
+"""The engine interface: what an engine (the embedded `local_runner.engine.EmbeddedEngine`, or
 `vllm_engine.VllmEngine`: vLLM with attnstore's connector) does for the serving layer, and nothing above it.
 
 The serving layer renders the prompt, admits the turn, writes the answer in whichever API shape the

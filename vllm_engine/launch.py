@@ -80,8 +80,9 @@ def model_context(folder: Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def context_limit(config: VllmConfig, folder: Path) -> int:
-    """Prompt + answer tokens a turn of this model may hold: the config's, at most the model's own."""
+def max_model_len(config: VllmConfig, folder: Path) -> int:
+    """vLLM's --max-model-len: prompt + answer tokens a turn of this model may hold, the config's and at
+    most the model's own."""
     own = model_context(folder)
     return min(config.max_context_tokens, own) if own else config.max_context_tokens
 
@@ -104,7 +105,7 @@ def vllm_launch(
         *("--max-num-seqs", str(config.max_running)),
         *("--max-num-batched-tokens", str(config.max_batch_tokens)),
         *("--kv-cache-memory-bytes", str(config.kv_cache_bytes)),
-        *("--max-model-len", str(context_limit(config, folder))),
+        *("--max-model-len", str(max_model_len(config, folder))),
     ]
     if config.connector is not None:
         transfer = {

@@ -18,7 +18,7 @@ from engine_api.model_source import ModelLoadError, converted_folder, cpu_flags,
 from engine_api.tokenizers import ThreadTokenizers
 
 from .engine import ServedModel
-from .launch import VllmConfig, context_limit, vllm_dtype, vllm_launch
+from .launch import VllmConfig, max_model_len, vllm_dtype, vllm_launch
 from .link.wire import AsyncStoreClient
 from .server import VllmServer, check_vllm_python, free_port
 
@@ -66,7 +66,7 @@ def start_models(config: VllmConfig) -> dict[str, ServedModel]:
             name=name,
             server=server,
             tokenizers=ThreadTokenizers(AutoTokenizer.from_pretrained(folder)),
-            limit=context_limit(config, folder),
+            limit=max_model_len(config, folder),
             dtype=dtype,
             store=AsyncStoreClient(server.launch.socket_path) if server.launch.socket_path else None,
         )
