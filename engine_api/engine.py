@@ -1,5 +1,6 @@
 """The engine interface: what an engine (the embedded `local_runner.engine.EmbeddedEngine`, or
-`vllm_engine.VllmEngine`: vLLM with attnstore's connector) does for the serving layer, and nothing above it.
+`vllm_engine.engine.VllmEngine`: vLLM with attnstore's connector) does for the serving layer, and nothing
+above it.
 
 The serving layer renders the prompt, admits the turn, writes the answer in whichever API shape the
 client asked for, and records the session; an engine takes "run this turn on these token ids" (a
