@@ -245,3 +245,21 @@ def test_an_upstream_only_proxy_loads_no_torch():
         "sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0
+
+
+def test_no_private_name_crosses_a_package():
+    """A name with a leading underscore is imported only inside its own top-level package: what two
+    packages share is public (engine_api's, for both engines)."""
+    crossing = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            pkg = list(path.relative_to(ROOT).with_suffix("").parts)[:-1]
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom) or node.module == "__future__":
+                    continue
+                base = pkg[: len(pkg) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private and target.split(".")[0] != package:
+                    crossing.append((str(path.relative_to(ROOT)), target, private))
+    assert crossing == []
