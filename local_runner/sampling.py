@@ -80,7 +80,10 @@ class Sampler:
         p = self.params
         if p.temperature <= 0:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float().cpu() / p.temperature, dim=-1)
+        scaled = logits.float().cpu() / p.temperature
+        if torch.isinf(scaled.max()):  # a temperature so close to 0 the division overflows: its limit
+            return int(torch.argmax(logits))
+        probs = torch.softmax(scaled, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < p.top_p

@@ -30,3 +30,13 @@ def test_logit_bias_and_logprobs_of_the_raw_logits():
     expected = logits - torch.logsumexp(logits, 0)
     assert math.isclose(last.logprob, float(expected[2]), rel_tol=1e-6)
     assert [t for t, _ in last.top] == [0, 1]  # the model's own ranking, not the biased one
+
+
+def test_a_temperature_too_close_to_zero_to_divide_by_is_its_limit_greedy():
+    """A positive temperature so small that the logits divided by it overflow (the fuzz test's
+    6.3e-278) picks the most likely token, as temperature 0 does, instead of failing the turn."""
+    logits = torch.tensor([1.0, 3.0, -2.0, float("-inf")])
+    for temperature in (6.305736898098505e-278, 1e-300):
+        assert Sampler(SamplingParams(temperature=temperature, seed=1))(logits) == 1
+    negative = torch.tensor([-5.0, -1.0, -3.0])
+    assert Sampler(SamplingParams(temperature=1e-300, seed=1))(negative) == 1
