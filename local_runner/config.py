@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    max_queue: int = 16  # jobs waiting for a slot; past it a submit is refused (429 above)
-    max_running: int = 4  # jobs in one batched step (the KV slots of each model's pool)
+    max_queue: int = 16  # jobs waiting to run; past it a submit is refused (429 above)
+    max_running: int = 4  # jobs in one batched step
     lookahead: int = 1  # queued turns whose stored KV is prefetched (0: none)
     max_batch_tokens: int = 512  # tokens one step feeds (chunked prefill); below 1 counts as 1
     kv_budget_bytes: int = 0  # KV of the running jobs; 0: bounded by max_running only
@@ -23,6 +23,7 @@ class RunnerConfig:
     overlap_with_compute: bool = True  # a job may compute while its layers still load
     evict_on_pressure: bool = True  # at low free memory, evict stored KV before refusing a turn
     min_free_memory_bytes: int = 0  # 0: no memory-pressure check at admission
+    device_reserve_bytes: int = 0  # on CUDA, device memory the KV pool leaves to others (the store's L0)
 
     def __post_init__(self) -> None:
         at_least = {
@@ -31,6 +32,7 @@ class RunnerConfig:
             "lookahead": 0,
             "kv_budget_bytes": 0,
             "min_free_memory_bytes": 0,
+            "device_reserve_bytes": 0,
         }
         if self.max_context_tokens is not None:
             at_least["max_context_tokens"] = 1

@@ -26,12 +26,14 @@ import torch
 from kvtier import KVStore, PrefixMatch, Schedule, available_memory_bytes
 
 from .config import RunnerConfig
+from .job_kv import JobKV
 from .job_state import JobState, Status
 from .jobs import GenerationRequest, Job
-from .kv_slots import SlotPool
+from .kv_pages import DEFAULT_PAGE_TOKENS
 from .loader import LoadedModel
 from .model_step import ModelStep
 from .realign import ShiftStats
+from .reuse_policy import restore_prefix
 from .rope_config import rope_shift_for
 from .rope_shift import RopeShift
 from .scheduler import Scheduler, SchedulerConfig
@@ -96,6 +98,8 @@ class Engine:
                 lm,
                 slots=config.max_running,
                 context=self._context_cap(lm),
+                page_tokens=self._page_tokens(name),
+                device_reserve_bytes=config.device_reserve_bytes,
                 batch=config.batch,
                 batch_invariant=config.batch_invariant,
                 compile=config.compile,
@@ -115,6 +119,12 @@ class Engine:
         )
         self.scheduler = Scheduler(scheduling, self.pools, self._job_bytes)
         self._worker = Worker(self.scheduler, self)
+
+    def _page_tokens(self, model: str) -> int:
+        """A page of the model's KV pool holds one chunk of its store (a restore or a save then moves
+        whole pages); without a store, DEFAULT_PAGE_TOKENS."""
+        store = self.stores.get(model)
+        return store.config.chunk_tokens if store is not None else DEFAULT_PAGE_TOKENS
 
     def _context_cap(self, lm: LoadedModel) -> int:
         limit = lm.max_context
@@ -142,8 +152,8 @@ class Engine:
 
     def context_limit(self, model: str) -> int:
         """Prompt + answer tokens a job may hold: the model's context, or less where the config (or, on
-        CUDA, the device memory for its KV slots) says so."""
-        return self.pools[model].capacity
+        CUDA, the device memory for its KV pool) says so."""
+        return min(self._context_cap(self.models[model]), self.pools[model].capacity)
 
     def submit(
         self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, *, hit: bool = False
@@ -189,29 +199,40 @@ class Engine:
         req = job.request
         return (len(req.prompt_ids) + job.max_tokens) * self.models[req.model].layout.bytes_per_token
 
-    def start_job(self, job: Job, pool: SlotPool, slot: int) -> JobState:
+    def start_job(self, job: Job, kv: JobKV) -> JobState:
         req = job.request
-        source = self._fork_source(req, pool)
+        source = self._fork_source(req, kv)
         if source is not None:
             self.counters.forked(len(req.prompt_ids) - 1)
         return JobState(
             job,
             self.models[req.model],
             self.stores.get(req.model),
-            pool,
-            slot,
+            kv,
             rope=self._rope.get(req.model),
             shift_stats=self.counters.shift_stats,
             fork_source=source,
+            restore_plan=functools.partial(self._restore_plan, req.model),
         )
 
-    def _fork_source(self, req: GenerationRequest, pool: SlotPool) -> JobState | None:
-        """n > 1: the running job of the prompt this one shares, once its prompt is in its slot (it is
+    def _restore_plan(self, model: str, match: PrefixMatch) -> PrefixMatch:
+        """The part of a stored prefix worth restoring (reuse_policy.py): what its tiers' measured
+        bandwidth loads faster than this model's measured prefill recomputes."""
+        store = self.stores[model]
+        return restore_prefix(
+            match,
+            store.load_rates(),
+            self.models[model].layout.bytes_per_token,
+            self.steps[model].prefill_rate.per_token,
+        )
+
+    def _fork_source(self, req: GenerationRequest, kv: JobKV) -> JobState | None:
+        """n > 1: the running job of the prompt this one shares, once its prompt is in its pages (it is
         decoding); None when there is none (it ended already): then this one looks the prompt up."""
         if req.fork_of is None:
             return None
         for state in self.scheduler.running:
-            if state.job.request is req.fork_of and state.pool is pool and state.status is Status.DECODING:
+            if state.job.request is req.fork_of and state.pool is kv.pool and state.status is Status.DECODING:
                 return state
         return None
 
@@ -268,7 +289,7 @@ class Engine:
         mb = 1024 * 1024
         if self.config.evict_on_pressure:
             for pool in self.pools.values():
-                pool.give_back()  # pages of free KV slots, first (what they held is gone already)
+                pool.give_back()  # free KV pages' memory, first (what they held is gone already)
             freed = sum(store.shed_memory(short) for store in self.stores.values())
             log.warning(
                 "memory pressure: %d MB available, %d MB to keep free; dropped %d MB of stored KV from memory",

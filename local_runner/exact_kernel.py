@@ -151,12 +151,14 @@ def describe(head_dim: int) -> str:
 
 def attend(
     q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    slots: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    tables: torch.Tensor,
+    jobs: torch.Tensor,
     lengths: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [tokens, heads, dim]; k_pool, v_pool [slots, kv_heads, capacity, dim] (one layer of a pool);
-    token t attends to the first lengths[t] keys of slot slots[t]; [tokens, heads, dim] out."""
-    return _kernel(q, k_pool, v_pool, slots, lengths, scale)
+    """q [tokens, heads, dim]; k_pages, v_pages [pages, kv_heads, page_tokens, dim] (one layer of a page
+    pool); token t attends to the first lengths[t] keys of job jobs[t], whose pages are tables[jobs[t]]
+    in order; [tokens, heads, dim] out."""
+    return _kernel(q, k_pages, v_pages, tables, jobs, lengths, scale)

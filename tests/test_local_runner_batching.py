@@ -51,14 +51,14 @@ def lm(model):
 def greedy_alone(lm, prompt_ids: list[int], n: int) -> list[int]:
     """Reference: the job alone, one plain transformers forward per token, no store."""
     kv = JobKV.standalone(lm.layout, lm.device, len(prompt_ids) + n)
-    logits = run_per_job(lm, [Work(kv, list(prompt_ids), want_logits=True)])[0]
+    logits = run_per_job(lm, [Work(kv, list(prompt_ids), want_logits=True)])[0].tensor
     out: list[int] = []
     for _ in range(n):
         token = int(torch.argmax(logits))
         if token in lm.eos_token_ids:
             break
         out.append(token)
-        logits = run_per_job(lm, [Work(kv, [token], want_logits=True)])[0]
+        logits = run_per_job(lm, [Work(kv, [token], want_logits=True)])[0].tensor
     return out
 
 

@@ -90,6 +90,11 @@ def runner_config(settings: Settings) -> RunnerConfig:
         overlap_with_compute=preload.enabled and preload.overlap_with_compute,
         evict_on_pressure=aware.evict_on_pressure,
         min_free_memory_bytes=lr.min_free_memory_mb * MB,
+        device_reserve_bytes=(
+            settings.attention_store.tiering.l0_gpu.capacity_mb * MB
+            if settings.attention_store.enabled
+            else 0
+        ),
         max_context_tokens=position.max_context_tokens,
         truncate_on_overflow=position.truncate_on_overflow,
         decouple=position.decouple,

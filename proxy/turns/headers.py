@@ -21,6 +21,8 @@ SESSION = "X-AttentionStore-Session"
 TTFT = "X-AttentionStore-TTFT-Ms"
 TIERS = "X-AttentionStore-Tiers"
 POSITION_SHIFT = "X-AttentionStore-Position-Shift"
+# Stored tokens a local turn recomputed instead of restoring: loading them was measured slower.
+SKIPPED = "X-AttentionStore-Skipped-Tokens"
 REPLICA = "X-AttentionStore-Replica"
 # On a turn one replica forwards to another (one hop at most: a request carrying it is served where it lands).
 FORWARDED_BY = "X-AttentionStore-Forwarded-By"
@@ -47,9 +49,10 @@ def store_headers(
     replica: str,
     tiers: Mapping[str, int] | None = None,
     position_shift: int | None = None,
+    skipped: int | None = None,
 ) -> dict[str, str]:
     """The X-AttentionStore-* headers as a dict, ready for `web.Response(headers=...)`. Local turns
-    also give `tiers` (reused tokens per tier) and `position_shift`."""
+    also give `tiers` (reused tokens per tier), `position_shift` and `skipped`."""
     headers = {
         CACHE: cache_label(cache),
         ROUTE: route,
@@ -62,4 +65,6 @@ def store_headers(
         headers[TIERS] = tiers_value(tiers)
     if position_shift is not None:
         headers[POSITION_SHIFT] = str(int(position_shift))
+    if skipped is not None:
+        headers[SKIPPED] = str(int(skipped))
     return headers
