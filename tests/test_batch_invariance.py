@@ -101,7 +101,9 @@ def test_a_prompt_prefilled_in_chunks_of_any_size_gives_bit_identical_kv(models,
             work = [Work(kv, part, first + chunk >= len(ids)), Work(other, [ids[first % 100]], True)]
             logits = run_packed(lm, work, stack=stack, batch_invariant=True)[0]
         assert logits is not None
-        results.append((logits.tensor, [(k[..., :600, :].clone(), v[..., :600, :].clone()) for k, v in kv.layers()]))
+        results.append(
+            (logits.tensor, [(k[..., :600, :].clone(), v[..., :600, :].clone()) for k, v in kv.layers()])
+        )
     for logits, layers in results[1:]:
         assert torch.equal(logits, results[0][0])
         for (ka, va), (kb, vb) in zip(layers, results[0][1], strict=True):

@@ -57,10 +57,9 @@ async def test_a_turn_whose_stored_kv_loads_slower_than_it_computes_recomputes_i
     import torch
 
     from kvtier import KVStore, StoreConfig
+    from local_runner.runner import Runner, RunnerConfig
     from tests.test_local_runner_batching import drain, greedy_alone, ids_of, submit
     from tests.tiny_model import tiny_loaded
-
-    from local_runner.runner import Runner, RunnerConfig
 
     lm = tiny_loaded()
     store = KVStore(
