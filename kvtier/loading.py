@@ -378,7 +378,7 @@ def _fill_layers(
                     _copy(dst_v, src.buf[i, 1, :, :n], sb[i, 1, :, :n] if sb is not None else None)
             event = None
             if stream is not None:
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)  # a timeline of the restore can place it
                 event.record(stream)
             restored.mark_loaded(i, event)
     finally:

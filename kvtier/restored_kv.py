@@ -159,6 +159,10 @@ class RestoredKV:
         if event is not None:
             torch.cuda.current_stream(self._device).wait_event(event)
 
+    def layer_events(self) -> list[torch.cuda.Event | None]:
+        """Each layer's copy event (CUDA; timing-enabled: a timeline can place it), None elsewhere."""
+        return list(self._events)
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until `ready` (or the timeout passes); never raises: `wait()` says how it ended."""
         if not self._settled.wait(timeout):

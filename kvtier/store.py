@@ -151,6 +151,20 @@ class KVStore:
         no load has measured yet is absent."""
         return self._core.load_rates.snapshot()
 
+    def wait_copies(self) -> None:
+        """Block until every memory tier's buffers hold their bytes (copies to or from a device run on
+        side streams and complete later): benchmarks and tests."""
+        core = self._core
+        with core.lock:
+            events = [
+                data.written
+                for tier in core.memory
+                for key in tier.keys()
+                if (data := tier.read(key)) is not None and data.written is not None
+            ]
+        for event in events:
+            event.synchronize()
+
     def wait_prefetched(self, timeout: float | None = None) -> bool:
         """Block until every prefetch asked for so far has run (False if the timeout passed first)."""
         return self._prefetching.wait_idle(timeout)

@@ -17,7 +17,9 @@ class RunnerConfig:
     truncate_on_overflow: bool = False  # drop the oldest turns of a prompt that does not fit (else refuse)
     decouple: bool = False  # a truncated turn moves its kept KV to the new positions (exact RoPE only)
     batch: bool = True  # packed steps (every job of a model in one forward) where the model allows
-    batch_invariant: bool = True  # a job's logits do not depend on what else runs (exact_attention.py)
+    # a job's logits do not depend on what else runs (docs/engine.md, "Batch invariance"); None: where
+    # that was measured to cost little (model_step.invariant_by_default)
+    batch_invariant: bool | None = None
     compile: bool = False  # the packed step compiled (torch.compile), eager until it is ready
     scheduler_aware: bool = True  # the stores see the queue (prefetch, keep what is about to be used)
     overlap_with_compute: bool = True  # a job may compute while its layers still load

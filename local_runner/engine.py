@@ -108,6 +108,7 @@ class Engine:
             for name, lm in self.models.items()
         }
         self.pools = {name: step.pool for name, step in self.steps.items()}
+        invariant = any(step.batch_invariant for step in self.steps.values())
         scheduling = SchedulerConfig(
             max_queue=config.max_queue,
             max_running=config.max_running,
@@ -115,7 +116,7 @@ class Engine:
             max_batch_tokens=max(1, config.max_batch_tokens),
             kv_budget_bytes=config.kv_budget_bytes,
             overlap=config.overlap_with_compute,
-            batch_invariant=config.batch_invariant,
+            batch_invariant=invariant,  # prompt chunks cut where a job alone would cut them
         )
         self.scheduler = Scheduler(scheduling, self.pools, self._job_bytes)
         self._worker = Worker(self.scheduler, self)

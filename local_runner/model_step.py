@@ -60,7 +60,7 @@ class ModelStep:
         slots: int,
         context: int,
         batch: bool,
-        batch_invariant: bool,
+        batch_invariant: bool | None,
         compile: bool = False,
         max_rows: int = 512 + 16,
         page_tokens: int = 256,
@@ -69,6 +69,8 @@ class ModelStep:
         """`batch=False`: one forward per job for this model (a benchmark's same-run baseline). `compile`:
         where the model allows, `warm_up` starts compiling the packed step on a thread of its own.
         `max_rows`: the most tokens one step feeds (batch_invariant measures the kernels up to it)."""
+        if batch_invariant is None:
+            batch_invariant = invariant_by_default(lm.device)
         packed = batch and _takes_packed_step(lm)
         pool = _make_pool(
             lm, slots, context, page_tokens, device_reserve_bytes + _activation_bytes(lm, max_rows)
@@ -206,6 +208,16 @@ class ModelStep:
             "page_tokens": self.pool.page_tokens,
             "kv_pool_tokens": self.pool.capacity,
         }
+
+
+# Whether `batch_invariant` is on by default on CUDA: where the GPU check measured the invariant step
+# within 15% of the fastest one (docs/benchmarks.md, "On a GPU"); off until then, and /healthz says so.
+CUDA_INVARIANT_BY_DEFAULT = False
+
+
+def invariant_by_default(device: torch.device) -> bool:
+    """batch_invariant's "auto": on a CPU (the exact kernels cost little there), on CUDA as measured."""
+    return device.type != "cuda" or CUDA_INVARIANT_BY_DEFAULT
 
 
 def _attention_kind(step: ModelStep) -> str:

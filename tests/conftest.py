@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 # Triton's kernels (local_runner/triton_attention.py, triton_ops.py) run in its interpreter where there is
-# no GPU: the variable must be set before Triton is first imported.
-if not os.path.exists("/dev/nvidiactl"):
+# no GPU: the variable must be set before Triton is first imported (torch does not import it).
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from collections.abc import Callable, Iterator  # noqa: E402

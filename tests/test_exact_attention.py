@@ -377,3 +377,15 @@ def test_the_rows_measured_are_kept_per_machine_and_a_corrupt_file_is_measured_a
     assert start() == 0  # nothing measured: the kept file says it all
     path.write_text('{"RowCountDependent:64x80:nobias": "one"')
     assert start() > 0 and json.loads(path.read_text()) == kept
+
+
+@pytest.mark.timeout(300)
+def test_a_build_lock_left_by_a_killed_builder_does_not_stop_the_next_start(kernel, monkeypatch):
+    """A start killed while it built the kernel leaves cpp_extension's `lock` file behind; the next start
+    builds (or loads) anyway instead of waiting for it forever."""
+    folder = kernel.machine_folder()
+    (folder / "lock").touch()
+    monkeypatch.setattr(kernel, "_kernel", None)
+    monkeypatch.setattr(kernel, "_failure", None)
+    assert kernel.build(REPO / "var" / "models") is None
+    assert not (folder / "lock").exists()

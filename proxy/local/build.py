@@ -82,7 +82,7 @@ def runner_config(settings: Settings) -> RunnerConfig:
         max_queue=lr.max_queue,
         max_running=lr.max_running,
         max_batch_tokens=lr.max_batch_tokens,
-        batch_invariant=lr.batch_invariant,
+        batch_invariant=None if lr.batch_invariant == "auto" else bool(lr.batch_invariant),
         compile=lr.compile,
         kv_budget_bytes=lr.max_running_kv_mb * MB,
         lookahead=preload.lookahead_turns if (preload.enabled and aware.enabled) else 0,
