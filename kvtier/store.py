@@ -159,7 +159,7 @@ class KVStore:
             events = [
                 data.written
                 for tier in core.memory
-                for key in tier.keys()
+                for key in tier.held()
                 if (data := tier.read(key)) is not None and data.written is not None
             ]
         for event in events:

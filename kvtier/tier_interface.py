@@ -54,7 +54,7 @@ class TierBackend(ABC, Generic[H]):
     def __len__(self) -> int:
         return len(self._usage)
 
-    def keys(self) -> list[str]:
+    def held(self) -> list[str]:
         """The chunks that count against this tier's budget (a snapshot)."""
         return list(self._usage)
 

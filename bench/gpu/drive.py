@@ -22,7 +22,7 @@ def text(n_words, seed):
 
 class Driver:
     def __init__(self, base, model, out):
-        self.base, self.model, self.out = base.rstrip("/"), model, open(out, "a")
+        self.base, self.model, self.out = base.rstrip("/"), model, open(out, "a")  # noqa: SIM115 - the run's log
 
     def log(self, **rec):
         rec["t"] = round(time.time(), 3)
@@ -103,7 +103,7 @@ async def wait_ready(base, limit=600):
 def same(a, b):
     """(equal text and logprobs bit for bit, largest logprob difference)"""
     la, lb = a.get("lps") or [], b.get("lps") or []
-    diff = max((abs(x - y) for x, y in zip(la, lb)), default=None) if la and lb else None
+    diff = max((abs(x - y) for x, y in zip(la, lb, strict=False)), default=None) if la and lb else None
     return a.get("text") == b.get("text") and la == lb and len(la) > 0, diff
 
 
@@ -147,7 +147,7 @@ async def correctness(d, s, words, n_conv):
     prompts = [[{"role": "user", "content": text(20 + 37 * k, 500 + k)}] for k in range(8)]
     together = await asyncio.gather(*(d.chat(s, p, f"b{k}", 32) for k, p in enumerate(prompts)))
     alone = [await d.chat(s, p, f"b{k}", 32, key=f"al{k}") for k, p in enumerate(prompts)]
-    res = [same(x, y) for x, y in zip(together, alone)]
+    res = [same(x, y) for x, y in zip(together, alone, strict=True)]
     d.log(
         phase="correct",
         step="summary-batch",
@@ -211,7 +211,7 @@ async def perf(d, s, lengths, streams, decode_tokens):
 
 
 def summarize(path):
-    for line in open(path):
+    for line in open(path):  # noqa: SIM115 - read once, at exit
         r = json.loads(line)
         if r["step"] == "ttft":
             print(
