@@ -78,8 +78,18 @@ struct PagedRows {
   const int64_t* pages;  // the job's page table
   int64_t page_tokens;
   int64_t dim;
-  const T* row(int64_t j) const { return base + pages[j / page_tokens] * page_stride + (j % page_tokens) * dim; }
+  int shift;  // log2(page_tokens) where it is a power of two (a shift, not a division, per key), else -1
+  const T* row(int64_t j) const {
+    if (shift >= 0) return base + pages[j >> shift] * page_stride + (j & (page_tokens - 1)) * dim;
+    return base + pages[j / page_tokens] * page_stride + (j % page_tokens) * dim;
+  }
 };
+
+inline int log2_exact(int64_t n) {
+  int s = 0;
+  while ((int64_t{1} << s) < n) ++s;
+  return (int64_t{1} << s) == n ? s : -1;
+}
 
 // Consecutive tokens of one job are computed together (a prompt chunk's), so each key and value read
 // serves every query row of the tile; a row's arithmetic is the same in a tile of any size.
@@ -197,7 +207,8 @@ struct Pages {
   const int64_t* tables;
   int64_t table_width;
   PagedRows<T> rows(const T* base, int64_t job, int64_t kvh, int64_t dim) const {
-    return {base + kvh * page_tokens * dim, page_stride, tables + job * table_width, page_tokens, dim};
+    return {base + kvh * page_tokens * dim, page_stride, tables + job * table_width, page_tokens, dim,
+            log2_exact(page_tokens)};
   }
 };
 

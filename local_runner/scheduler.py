@@ -88,6 +88,7 @@ class Scheduler:
         self.admitted = 0  # jobs taken from the queue so far
         self.queue_wait_seconds = 0.0  # their time in the queue, summed
         self.cancelled = 0  # jobs stopped because their client went away
+        self.preemptions = 0  # jobs that gave their pages back for another's next token (worker's thread)
 
     # -- event loop side ------------------------------------------------------------------------------
 
@@ -279,6 +280,7 @@ class Scheduler:
                 self._preempt(victim)
 
     def _preempt(self, state: JobState) -> None:
+        self.preemptions += 1
         state.preempt()
         with self.cond:
             self.running.remove(state)
