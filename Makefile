@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 SETTINGS ?= settings.json
 
-.PHONY: run test test-fast install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench-batch bench soak clean vllm test-vllm
+.PHONY: run test test-fast install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench-batch bench soak clean vllm test-vllm gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -98,6 +98,15 @@ vllm: $(VLLM_VENV)/.installed
 # not. The path is absolute: the servers the tests start run in temporary folders.
 test-vllm: install-dev vllm
 	ATTNSTORE_TEST_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q tests/test_vllm_engine.py tests/test_vllm_layouts.py $(PYTEST_ARGS)
+
+# The GPU check (docs/benchmarks.md, "On a GPU"): on a machine with a CUDA GPU, no network and no venv
+# (the machine's python3 with torch, Triton, transformers; WHEELS: a folder of wheels for what it lacks,
+# bench/gpu/wheels.txt lists them). Builds random-weight models on the GPU, runs the CUDA tests, serves
+# them and prints every figure; OUT keeps the logs.
+OUT ?= var/gpu-check
+WHEELS ?=
+gpu-check:
+	bash bench/gpu/run_check.sh $(OUT) $(WHEELS)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache

@@ -60,9 +60,8 @@ def prepare(args: argparse.Namespace, variant: str) -> ModelStep:
 
 def prefill_s(step: ModelStep, tokens: int, chunk: int = 512) -> float:
     """Seconds to prefill a fresh `tokens`-token prompt in chunks of `chunk` (the runner's default)."""
-    slot = step.pool.acquire()
-    assert slot is not None
-    kv = JobKV(step.pool, slot)
+    kv = JobKV(step.pool)
+    kv.ensure(tokens)
     try:
         started = time.perf_counter()
         for first in range(0, tokens, chunk):
@@ -72,7 +71,7 @@ def prefill_s(step: ModelStep, tokens: int, chunk: int = 512) -> float:
             )
         return time.perf_counter() - started
     finally:
-        step.pool.release(slot)
+        kv.release()
 
 
 def step_ms(steps: dict[str, ModelStep], jobs: int, context: int, reps: int) -> dict[str, float]:
@@ -80,9 +79,9 @@ def step_ms(steps: dict[str, ModelStep], jobs: int, context: int, reps: int) -> 
     variants alternate step by step (the first one alternating too), so drifts of the machine hit both."""
     kvs = {}
     for name, step in steps.items():
-        slots = [step.pool.acquire() for _ in range(jobs)]
-        kvs[name] = [JobKV(step.pool, slot) for slot in slots if slot is not None]
+        kvs[name] = [JobKV(step.pool) for _ in range(jobs)]
         for kv in kvs[name]:
+            kv.ensure(context + reps + 4)
             kv.length = context
     times: dict[str, list[float]] = {name: [] for name in steps}
     try:
@@ -93,9 +92,9 @@ def step_ms(steps: dict[str, ModelStep], jobs: int, context: int, reps: int) -> 
                 steps[name].forward(work)
                 times[name].append(time.perf_counter() - started)
     finally:
-        for name, step in steps.items():
+        for name in steps:
             for kv in kvs[name]:
-                step.pool.release(kv.slot)
+                kv.release()
     return {name: statistics.median(t[3:]) * 1000 for name, t in times.items()}
 
 

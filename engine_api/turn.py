@@ -51,6 +51,7 @@ class FirstToken:
     at: float  # time.monotonic()
     tiers: dict[str, int] = field(default_factory=dict)  # reused tokens per tier
     position_shift: int = 0  # positions the reused KV was moved by after a truncation
+    skipped_tokens: int = 0  # stored tokens recomputed, not restored: loading them was measured slower
 
 
 @dataclass

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .config import ChunkRef, PrefixMatch, StoreConfig
     from .layout import KVLayout
     from .pressure import available_device_memory_bytes, available_memory_bytes
-    from .restored_kv import KVLoadError, RestoredKV
+    from .restored_kv import KVLoadError, PagedTarget, RestoredKV
     from .schedule import Schedule
     from .stats import StoreStats, TierStats
     from .store import KVStore
@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "available_device_memory_bytes": ".pressure",
     "available_memory_bytes": ".pressure",
     "KVLoadError": ".restored_kv",
+    "PagedTarget": ".restored_kv",
     "RestoredKV": ".restored_kv",
     "Schedule": ".schedule",
     "StoreStats": ".stats",
@@ -47,6 +48,7 @@ __all__ = [
     "KVLayout",
     "KVLoadError",
     "KVStore",
+    "PagedTarget",
     "PrefixMatch",
     "RestoredKV",
     "Schedule",

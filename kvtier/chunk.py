@@ -47,7 +47,9 @@ class ChunkKV:
 
     `written`: on CUDA, the event recorded on the stream that filled the buffer, after its copies. The
     copies may still be running on the device when the store already holds the chunk, so whoever reads
-    the buffer on another stream (a restore's copy stream, a demotion) waits on it first.
+    the buffer on another stream (a restore's copy stream, a demotion) waits on it first, and a host
+    buffer filled from the device is read on the host only once its event has completed (`host_bytes`
+    waits for it: for that copy alone, never for the rest of the device's work).
     """
 
     __slots__ = ("buf", "written")
@@ -71,8 +73,10 @@ class ChunkKV:
 
     def host_bytes(self) -> np.ndarray | None:
         """The buffer as a uint8 numpy array [layers, 2, heads, n, head_dim * itemsize] (no copy), or None
-        off the host. numpy copies of these slices run at memcpy speed (torch's strided copy_ does not),
-        and uint8 covers every dtype, bfloat16 included."""
+        off the host; a host buffer still being filled from the device is waited for first. numpy copies
+        of these slices are memcpy-speed, and uint8 covers every dtype, bfloat16 included."""
+        if self.written is not None and self.buf.device.type == "cpu":
+            self.written.synchronize()
         return host_bytes(self.buf)
 
     @property
@@ -81,14 +85,34 @@ class ChunkKV:
 
     def to(self, device: torch.device, *, pin: bool = False) -> ChunkKV:
         """Copy to `device` (no copy if already there); pinned host memory when asked and possible.
-        Runs on the current stream, after the copies that wrote this buffer (`written`)."""
+
+        A copy to or from CUDA never waits: it runs on a side stream of its own, after the copies that
+        wrote this buffer (`written`) and nothing else, and the result carries the event after it (a
+        device result is read on other streams after that event, a host result once it has completed:
+        `host_bytes`). The source stays allocated to that stream until the copy is done, even if its
+        owner drops it meanwhile. Host to host copies are plain copies."""
         if self.buf.device == device:
             return self
-        if self.written is not None:
-            torch.cuda.current_stream(self.buf.device).wait_event(self.written)
-        out = torch.empty_like(self.buf, device=device, pin_memory=pin and device.type == "cpu")
-        out.copy_(self.buf)
-        return ChunkKV(out, record_written(device))
+        on = self.buf.device if self.buf.is_cuda else device
+        if on.type != "cuda":
+            out = torch.empty_like(self.buf, device=device, pin_memory=pin and device.type == "cpu")
+            np_src, np_out = self.host_bytes(), host_bytes(out)
+            if np_src is not None and np_out is not None:
+                np.copyto(np_out, np_src)
+            else:
+                out.copy_(self.buf)
+            return ChunkKV(out)
+        stream = torch.cuda.Stream(on)  # one of torch's pooled side streams: nothing is created
+        with torch.cuda.stream(stream):
+            if self.written is not None:
+                stream.wait_event(self.written)
+            out = torch.empty_like(self.buf, device=device, pin_memory=pin and device.type == "cpu")
+            out.copy_(self.buf, non_blocking=True)
+            if self.buf.is_cuda:
+                self.buf.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return ChunkKV(out, event)
 
 
 def chunk_buffer(layout: KVLayout, n_tokens: int, device: torch.device, *, pin: bool = False) -> torch.Tensor:
@@ -103,6 +127,26 @@ def record_written(device: torch.device) -> torch.cuda.Event | None:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def copy_blocks(
+    blocks: Sequence[torch.Tensor], todo: Sequence[int], device: torch.device
+) -> dict[int, ChunkKV]:
+    """Chunks given as chunk-shaped blocks ([layers, 2, heads, n, head_dim] each, e.g. a paged pool's
+    pages) copied into buffers of their own on `device`, one copy per chunk. On CUDA the copies run on
+    the caller's current stream; each chunk carries the event after them."""
+    bufs: dict[int, torch.Tensor] = {}
+    for i in todo:
+        src = blocks[i]
+        buf = torch.empty(src.shape, dtype=src.dtype, device=device)
+        dst_bytes, src_bytes = host_bytes(buf), host_bytes(src)
+        if dst_bytes is not None and src_bytes is not None:
+            np.copyto(dst_bytes, src_bytes)
+        else:
+            buf.copy_(src, non_blocking=True)
+        bufs[i] = buf
+    written = record_written(device)
+    return {i: ChunkKV(b, written) for i, b in bufs.items()}
 
 
 def copy_chunks(

@@ -40,11 +40,6 @@ from .layout import KVLayout
 # ---- writing -------------------------------------------------------------------------------------
 
 
-def _byte_rows(buf: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's bytes as a numpy uint8 array (no copy), first dimension kept; any dtype (bf16 too)."""
-    return buf.view(torch.uint8).numpy().reshape(buf.shape[0], -1)
-
-
 def _fsync_path(path: Path, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
@@ -105,7 +100,10 @@ def _start_write(
     root: Path, chunk: ChunkId, data: ChunkKV, model_fingerprint: str, layout: KVLayout
 ) -> PendingWrite:
     """Checksum the chunk's layers and write header + buffer to a fresh temp file (not fsynced yet)."""
-    rows = _byte_rows(data.to(torch.device("cpu")).buf)  # layer i's K then V bytes are row i
+    host = data.to(torch.device("cpu"), pin=data.buf.is_cuda)  # a device chunk: staged, its copy alone waited
+    data_bytes = host.host_bytes()
+    assert data_bytes is not None  # a host buffer
+    rows = data_bytes.reshape(host.buf.shape[0], -1)  # layer i's K then V bytes are row i
     meta = ChunkMeta(chunk, tuple(xxhash.xxh3_64_hexdigest(rows[i]) for i in range(rows.shape[0])))
     header = header_bytes(file_metadata(meta, model_fingerprint, layout), layout, chunk.n_tokens)
     path = chunk_path(root, chunk.key)

@@ -29,6 +29,7 @@ class StoreConfig:
     save_workers: int = 1
     save_queue_chunks: int = 32  # bounded queue; put() blocks (back-pressure) when full
     load_workers: int = 4  # load() threads the store owns; more loads at once wait their turn
+    read_workers: int = 8  # threads reading a load's disk chunks in parallel
     # Where a turn's new KV and what a load read stay in memory: "ttft_priority" keeps them in L0, ready
     # for the session's next turn; "throughput" keeps L0 for running and queued jobs (prefetch), and new
     # or restored KV goes to L1 (and L2).
@@ -60,6 +61,7 @@ class StoreConfig:
             "save_workers",
             "save_queue_chunks",
             "load_workers",
+            "read_workers",
             "disk_full_backoff_s",
         )
         if any(getattr(self, name) <= 0 for name in positive):
@@ -97,6 +99,11 @@ class PrefixMatch:
         if self.tokens == 0 or not self.chunks:
             return None
         return max((c.tier for c in self.chunks), key=tier_rank)
+
+    def first(self, n: int) -> PrefixMatch:
+        """The match cut to its first n chunks (a caller that restores only part of it)."""
+        chunks = self.chunks[:n]
+        return PrefixMatch(self.namespace, sum(c.n_tokens for c in chunks), chunks)
 
     def tokens_by_tier(self) -> dict[Tier, int]:
         """Matched tokens per tier, every tier named (0 where none came from it)."""

@@ -21,6 +21,7 @@ from .chunk import ChunkKV
 from .config import StoreConfig, resolve_device
 from .index import Entry, PrefixIndex
 from .layout import KVLayout
+from .load_rates import LoadRates
 from .memory_tier import Copy, MemoryTier
 from .persistent_tier import PersistentTier
 from .schedule import Schedule
@@ -42,6 +43,7 @@ class StoreCore:
         self.cond = threading.Condition(self.lock)
         self.index = PrefixIndex()
         self.counters = Counters()
+        self.load_rates = LoadRates()  # restore bandwidth per tier, measured (locks itself)
         self.memory, self.backing = _check_tiers(tiers)
         self.tiers: tuple[TierBackend, ...] = (*self.memory, self.backing)
         # The memory tiers a turn's new KV (put) and a load's chunks (promotion) may go to: all of them,

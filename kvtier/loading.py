@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,8 @@ from .layout import KVLayout
 from .memory_tier import Copy
 from .persistent_tier import LayerReader
 from .placement import Placement
-from .restored_kv import KVLoadError, RestoredKV
+from .restored_kv import KVLoadError, PagedTarget, RestoredKV
+from .tier_names import Tier, tier_rank
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class PlanItem:
 
     key: str
     n_tokens: int
+    tier: Tier
     mem: ChunkKV | None = None
     meta: ChunkMeta | None = None
     buf: ChunkKV | None = None  # host buffer for a disk chunk (to promote, to move to a device, or partial)
@@ -64,16 +67,20 @@ class Loading:
         self._core = core
         self._placement = placement
         self._loaders = ThreadPoolExecutor(core.config.load_workers, thread_name_prefix="kvtier-load")
+        # Disk reads of a load, several chunks at once (the page cache and NVMe both serve parallel
+        # reads faster than one stream of them).
+        self._reads = ThreadPoolExecutor(core.config.read_workers, thread_name_prefix="kvtier-read")
 
     def close(self) -> None:
         """Wait for loads in flight; later ones fail."""
         self._loaders.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
 
     def load(
         self,
         match: PrefixMatch,
         capacity: int | None,
-        out: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        out: Sequence[tuple[torch.Tensor, torch.Tensor]] | PagedTarget | None = None,
     ) -> RestoredKV:
         core = self._core
         restored = RestoredKV(match.tokens, core.layout, core.device, capacity, out)
@@ -105,9 +112,9 @@ class Loading:
         from the persistent tier."""
         mem = self._core.memory_copy(e.key)
         if mem is not None:
-            return PlanItem(c.key, c.n_tokens, mem=mem)
+            return PlanItem(c.key, c.n_tokens, self._core.tier_of(e), mem=mem)
         meta = self._core.backing.read(e.key)
-        return PlanItem(c.key, c.n_tokens, meta=meta, buf=self._disk_buffer(e, c))
+        return PlanItem(c.key, c.n_tokens, self._core.backing.name, meta=meta, buf=self._disk_buffer(e, c))
 
     def _disk_buffer(self, e: Entry, c: ChunkRef) -> ChunkKV | None:
         """A host buffer to read a stored chunk into, allocated here in the caller's thread (see
@@ -121,8 +128,12 @@ class Loading:
     def _run(self, plan: list[PlanItem], restored: RestoredKV, pinned: list[Entry]) -> None:
         """A load thread: fill the output, then promote; the RestoredKV settles whatever happens."""
         core = self._core
+        started = time.perf_counter()
         try:
-            from_disk = run_load(plan, restored, core.layout, core.backing.reader)
+            from_disk = run_load(plan, restored, core.layout, core.backing.reader, self._reads)
+            slowest = max((item.tier for item in plan), key=tier_rank)
+            nbytes = core.nbytes(sum(item.n_tokens for item in plan))
+            core.load_rates.observe(slowest, nbytes, time.perf_counter() - started)
         except LoadFailure as f:
             core.unpin(pinned)
             self.on_bad_chunk(f.item.key, f.cause)
@@ -177,11 +188,16 @@ class Loading:
 
 
 def run_load(
-    plan: list[PlanItem], restored: RestoredKV, layout: KVLayout, open_reader: OpenReader
+    plan: list[PlanItem],
+    restored: RestoredKV,
+    layout: KVLayout,
+    open_reader: OpenReader,
+    reads: Executor | None = None,
 ) -> dict[str, ChunkKV]:
     """Fill `restored` layer by layer. Returns {key: ChunkKV} of the chunks read from disk into host
     buffers (to promote). A disk chunk without a buffer (`buf`) is read straight into the output and
-    checksummed there, before that layer is handed out.
+    checksummed there, before that layer is handed out. `reads`: threads that read the disk chunks'
+    layers in parallel (READ_AHEAD layers ahead of the copies); without it, one read after another.
 
     Raises LoadFailure naming the first chunk that could not be read.
     """
@@ -199,7 +215,7 @@ def run_load(
                     from_disk[item.key] = item.buf
         srcs = [(item.mem or item.buf) for item in plan]
         src_bytes = [c.host_bytes() if c is not None else None for c in srcs]
-        device = restored.target(0)[0].device
+        device = restored.target_tensors[0].device
         # On CUDA the host-to-device copies run on a stream of their own, one event per layer, so layer
         # i+1 copies while the model computes layer i on its stream (the paper's layer-wise pre-loading).
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -208,7 +224,10 @@ def run_load(
                 _order_copy_stream(stream, restored, layout, srcs)
             ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             with ctx:
-                _fill_layers(plan, restored, layout, readers, srcs, src_bytes, stream)
+                if _device_resident(plan, restored):
+                    _fill_chunks(plan, restored, layout, srcs, stream)
+                else:
+                    _fill_layers(plan, restored, layout, readers, srcs, src_bytes, stream, reads)
         finally:
             if stream is not None:
                 # The load settles only once its copies are done on the device, failed or not: `ready`
@@ -240,10 +259,55 @@ def _order_copy_stream(
             stream.wait_event(src.written)
         if src.buf.is_cuda:
             src.buf.record_stream(stream)
+    for t in restored.target_tensors:
+        if t.is_cuda:
+            t.record_stream(stream)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, src_bytes: np.ndarray | None) -> None:
+    """dst <- src: numpy's memcpy-speed copy between host tensors (`src_bytes`: src's bytes, or None
+    when src is not on the host), else a tensor copy queued on the current stream."""
+    dst_bytes = host_bytes(dst)
+    if src_bytes is not None and dst_bytes is not None:
+        np.copyto(dst_bytes, src_bytes)
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
+# Layers a load reads from disk ahead of the one it copies (each read fills its own part of a buffer).
+READ_AHEAD = 2
+
+
+def _device_resident(plan: list[PlanItem], restored: RestoredKV) -> bool:
+    """Every chunk is in memory on the paged target's device (an L0 hit): whole chunks are copied."""
+    paged = restored.paged
+    if paged is None or paged.pool.device.type != "cuda":
+        return False
+    return all(item.mem is not None and item.mem.buf.device == paged.pool.device for item in plan)
+
+
+def _fill_chunks(
+    plan: list[PlanItem],
+    restored: RestoredKV,
+    layout: KVLayout,
+    srcs: list[ChunkKV | None],
+    stream: torch.cuda.Stream | None,
+) -> None:
+    """Device to device (an L0 hit into pages): one copy per chunk across every layer (at the device's
+    bandwidth, launch-bound if copied layer by layer), then every layer handed out after one event."""
+    paged = restored.paged
+    assert paged is not None
+    for j, (item, src) in enumerate(zip(plan, srcs, strict=True)):
+        assert src is not None
+        paged.pool[:, paged.pages[j], :, :, : item.n_tokens].copy_(
+            src.buf[..., : item.n_tokens, :], non_blocking=True
+        )
+    event = None
+    if stream is not None:
+        event = torch.cuda.Event()
+        event.record(stream)
     for i in range(layout.num_layers):
-        for t in restored.target(i):
-            if t.is_cuda:
-                t.record_stream(stream)
+        restored.mark_loaded(i, event)
 
 
 def _fill_layers(
@@ -254,41 +318,84 @@ def _fill_layers(
     srcs: list[ChunkKV | None],
     src_bytes: list[np.ndarray | None],
     stream: torch.cuda.Stream | None,
+    reads: Executor | None,
 ) -> None:
-    """run_load's layer loop: each layer from every chunk of the plan, then handed to readers."""
-    for i in range(layout.num_layers):
+    """run_load's layer loop: each layer from every chunk of the plan, then handed to readers. A paged
+    target takes each chunk's layer (K and V) in one copy into its page; a per-layer target takes K and
+    V apart at the chunk's position. Disk chunks' layers are read READ_AHEAD layers ahead, in parallel."""
+    paged = restored.paged
+    starts = [sum(item.n_tokens for item in plan[:j]) for j in range(len(plan))]
+
+    def destinations(i: int, j: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        n = plan[j].n_tokens
+        if paged is not None:
+            dst = paged.block(i, j, n)  # [2, heads, n, dim]
+            return dst, dst[0], dst[1]
         out_k, out_v = restored.target(i)
-        ok, ov = host_bytes(out_k[0]), host_bytes(out_v[0])
-        pos = 0
-        for item, src, sb in zip(plan, srcs, src_bytes, strict=True):
-            n = item.n_tokens
-            if item.mem is None:
-                reader = readers[item.key]
-                try:
-                    if item.buf is not None:
-                        reader.read_chunk_layer(i, item.buf)
-                    else:  # whole chunk used, host output: read it in place, verify it there
-                        assert ok is not None and ov is not None
-                        reader.read_layer_into(
-                            i,
-                            [ok[h, pos : pos + n] for h in range(ok.shape[0])],
-                            [ov[h, pos : pos + n] for h in range(ov.shape[0])],
-                        )
-                except Exception as e:
-                    raise LoadFailure(item, e) from e
-            if src is not None:
-                if sb is not None and ok is not None and ov is not None:
-                    np.copyto(ok[:, pos : pos + n], sb[i, 0, :, :n])
-                    np.copyto(ov[:, pos : pos + n], sb[i, 1, :, :n])
+        pos = starts[j]
+        return None, out_k[0, :, pos : pos + n], out_v[0, :, pos : pos + n]
+
+    def read(i: int, j: int) -> None:
+        item = plan[j]
+        reader = readers[item.key]
+        try:
+            if item.buf is not None:
+                reader.read_chunk_layer(i, item.buf)
+            else:  # whole chunk used, host output: read it in place, verify it there
+                _, dst_k, dst_v = destinations(i, j)
+                ok, ov = host_bytes(dst_k), host_bytes(dst_v)
+                assert ok is not None and ov is not None
+                reader.read_layer_into(i, list(ok), list(ov))
+        except Exception as e:
+            raise LoadFailure(item, e) from e
+
+    disk = [j for j, item in enumerate(plan) if item.mem is None]
+    pending: dict[int, list[Future[None]]] = {}
+
+    def start_reads(i: int) -> None:
+        if reads is not None and disk and i < layout.num_layers:
+            pending[i] = [reads.submit(read, i, j) for j in disk]
+
+    for i in range(READ_AHEAD):
+        start_reads(i)
+    try:
+        for i in range(layout.num_layers):
+            if i in pending:
+                _wait_all(pending.pop(i))
+            else:
+                for j in disk:
+                    read(i, j)
+            start_reads(i + READ_AHEAD)
+            for j, (item, src, sb) in enumerate(zip(plan, srcs, src_bytes, strict=True)):
+                if src is None:
+                    continue
+                n = item.n_tokens
+                dst, dst_k, dst_v = destinations(i, j)
+                if dst is not None:  # K and V of the layer in one copy
+                    _copy(dst, src.buf[i, :, :, :n], sb[i, :, :, :n] if sb is not None else None)
                 else:
-                    out_k[0, :, pos : pos + n].copy_(src.buf[i, 0, :, :n], non_blocking=True)
-                    out_v[0, :, pos : pos + n].copy_(src.buf[i, 1, :, :n], non_blocking=True)
-            pos += n
-        event = None
-        if stream is not None:
-            event = torch.cuda.Event()
-            event.record(stream)
-        restored.mark_loaded(i, event)
+                    _copy(dst_k, src.buf[i, 0, :, :n], sb[i, 0, :, :n] if sb is not None else None)
+                    _copy(dst_v, src.buf[i, 1, :, :n], sb[i, 1, :, :n] if sb is not None else None)
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event(enable_timing=True)  # a timeline of the restore can place it
+                event.record(stream)
+            restored.mark_loaded(i, event)
+    finally:
+        for futures in pending.values():  # a failed load: nothing may still write once it is over
+            for f in futures:
+                f.exception()
+
+
+def _wait_all(futures: list[Future[None]]) -> None:
+    """Every read done; the first failure (in plan order) raised once all have ended."""
+    failure: BaseException | None = None
+    for f in futures:
+        exc = f.exception()
+        if exc is not None and failure is None:
+            failure = exc
+    if failure is not None:
+        raise failure
 
 
 def other_bad_chunks(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,26 @@ from .layout import KVLayout
 
 class KVLoadError(Exception):
     """A matched chunk could not be restored (gone, unreadable, or failing its checksum); recompute."""
+
+
+@dataclass(frozen=True)
+class PagedTarget:
+    """Restore destinations in a caller's paged pool: chunk j of the match goes into page `pages[j]`.
+
+    `pool` is [layers, pages, 2, kv_heads, page_tokens, head_dim]: page p of layer i, pool[i, p], holds
+    K then V of one chunk exactly as a chunk buffer's layer does (ChunkKV), so a chunk's layer arrives in
+    one copy. Every chunk of the match but the last must fill its page (page_tokens tokens)."""
+
+    pool: torch.Tensor
+    pages: tuple[int, ...]
+
+    @property
+    def page_tokens(self) -> int:
+        return int(self.pool.shape[4])
+
+    def block(self, i: int, j: int, n: int) -> torch.Tensor:
+        """Layer i of chunk j's page, its first n tokens: [2, kv_heads, n, head_dim]."""
+        return self.pool[i, self.pages[j], :, :, :n]
 
 
 class RestoredKV:
@@ -28,7 +49,7 @@ class RestoredKV:
         layout: KVLayout,
         device: torch.device,
         capacity: int | None = None,
-        out: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        out: Sequence[tuple[torch.Tensor, torch.Tensor]] | PagedTarget | None = None,
     ) -> None:
         self.num_tokens = num_tokens
         # Room for tokens the caller will append (its prompt's rest and answer): the caller can then
@@ -41,9 +62,16 @@ class RestoredKV:
         self._v: list[torch.Tensor | None] = [None] * n
         self._ready = [threading.Event() for _ in range(n)]
         self._events: list[torch.cuda.Event | None] = [None] * n
+        self._loaded = [False] * n
         self._error: KVLoadError | None = None
         self._settled = threading.Event()  # set once the store's bookkeeping (promotion, unpinning) is done
-        if out is not None:
+        self.paged: PagedTarget | None = None
+        self._out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if isinstance(out, PagedTarget):
+            # Pages of the caller's pool: chunk j into page j, written where the job computes.
+            self.paged = _check_paged(out, layout, num_tokens, device)
+            self.capacity = len(out.pages) * out.page_tokens
+        elif out is not None:
             # The caller's own buffers (a runner's KV slot): the restore writes where the job computes,
             # so nothing is copied again once it has arrived.
             self._out = [_check_target(i, kv, layout, num_tokens, device) for i, kv in enumerate(out)]
@@ -74,15 +102,25 @@ class RestoredKV:
             self.settle()
 
     def target(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The loader's side: layer i's output buffers to fill, [1, heads, capacity, head_dim] (no wait)."""
+        """The loader's side: layer i's output buffers to fill, [1, heads, capacity, head_dim] (no wait);
+        not for a paged target (see `paged`)."""
         return self._out[i]
+
+    @property
+    def target_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the load writes into (a paged target's whole pool)."""
+        if self.paged is not None:
+            return [self.paged.pool]
+        return [t for kv in self._out for t in kv]
 
     def mark_loaded(self, i: int, copied: torch.cuda.Event | None = None) -> None:
         """The loader's side: layer i's first num_tokens are filled and verified; readers may take them.
         `copied`: on CUDA, the event recorded on the loader's copy stream after layer i's copies; a reader
         makes its own stream wait on it (the GPU waits, not the thread)."""
         self._events[i] = copied
-        self._k[i], self._v[i] = self._out[i]
+        if self.paged is None:
+            self._k[i], self._v[i] = self._out[i]
+        self._loaded[i] = True
         self._ready[i].set()
 
     def fail(self, error: KVLoadError) -> None:
@@ -104,16 +142,26 @@ class RestoredKV:
 
     def buffers(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's whole output buffers, [1, heads, capacity, head_dim], the first num_tokens filled;
-        the caller may keep and write past them (they are its own once loaded)."""
-        self._ready[i].wait()
+        the caller may keep and write past them (they are its own once loaded). Not for a paged target."""
+        self.wait_layer(i)
         k, v = self._k[i], self._v[i]
-        if k is None or v is None:
+        assert k is not None and v is not None, "a paged restore has no per-layer buffers"
+        return k, v
+
+    def wait_layer(self, i: int) -> None:
+        """Block until layer i is in its destination (raises KVLoadError if it could not be read). On CUDA
+        the caller's current stream waits for the layer's copies (the GPU waits, not the thread)."""
+        self._ready[i].wait()
+        if not self._loaded[i]:
             assert self._error is not None
             raise self._error
         event = self._events[i]
         if event is not None:
-            torch.cuda.current_stream(k.device).wait_event(event)
-        return k, v
+            torch.cuda.current_stream(self._device).wait_event(event)
+
+    def layer_events(self) -> list[torch.cuda.Event | None]:
+        """Each layer's copy event (CUDA; timing-enabled: a timeline can place it), None elsewhere."""
+        return list(self._events)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until `ready` (or the timeout passes); never raises: `wait()` says how it ended."""
@@ -135,6 +183,28 @@ class RestoredKV:
         self._settled.wait()
         if self._error is not None:
             raise self._error
+
+
+def _check_paged(out: PagedTarget, layout: KVLayout, num_tokens: int, device: torch.device) -> PagedTarget:
+    """A caller's paged pool must be [layers, pages, 2, heads, page_tokens, head_dim] of the layout's
+    dtype on the store's device, each page's rows contiguous, with pages enough for num_tokens."""
+    p = out.pool
+    ok = (
+        p.dim() == 6
+        and p.shape[0] == layout.num_layers
+        and p.shape[2] == 2
+        and p.shape[3] == layout.num_kv_heads
+        and p.shape[5] == layout.head_dim
+        and p.dtype == layout.dtype
+        and p.device == device
+        and p.stride(-1) == 1
+        and p.stride(-2) == layout.head_dim
+        and all(0 <= q < p.shape[1] for q in out.pages)
+        and len(out.pages) * out.page_tokens >= num_tokens
+    )
+    if not ok:
+        raise ValueError(f"paged restore target {tuple(p.shape)} {p.dtype} on {p.device} does not fit")
+    return out
 
 
 def _check_target(

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 
 from .adoption import Adoption
-from .chunk import ChunkId, copy_chunks
+from .chunk import ChunkId, copy_blocks, copy_chunks
 from .chunk_keys import chain, chunk_spans, root_key
 from .config import PrefixMatch, StoreConfig
 from .core import StoreCore
@@ -32,7 +32,7 @@ from .lookup import Lookups
 from .memory_tier import Copy
 from .placement import Placement
 from .prefetch import Prefetching
-from .restored_kv import RestoredKV
+from .restored_kv import PagedTarget, RestoredKV
 from .saving import Save, Saving
 from .schedule import Schedule
 from .stats import StoreStats, TierStats
@@ -112,13 +112,14 @@ class KVStore:
         match: PrefixMatch,
         *,
         capacity: int | None = None,
-        out: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        out: Sequence[tuple[torch.Tensor, torch.Tensor]] | PagedTarget | None = None,
     ) -> RestoredKV:
         """Start restoring the match's KV on a load thread; layer(i) of the result blocks per layer.
         `capacity`: tokens of room to allocate per layer (at least match.tokens), see RestoredKV.
         `out`: the caller's own per-layer (K, V) buffers, [1, heads, >= match.tokens, head_dim] each,
-        to restore into instead (nothing is allocated); they must stay untouched until the result is
-        `ready` (a failed or cancelled job waits for that before it reuses them)."""
+        to restore into instead (nothing is allocated), or a PagedTarget (chunk j into page j of the
+        caller's pool); they must stay untouched until the result is `ready` (a failed or cancelled job
+        waits for that before it reuses them)."""
         return self._loading.load(match, capacity, out)
 
     def prefetch(self, match: PrefixMatch) -> None:
@@ -145,6 +146,25 @@ class KVStore:
             torch.cuda.empty_cache()
         return freed
 
+    def load_rates(self) -> dict[Tier, float]:
+        """Restore bandwidth measured per tier (bytes/s, a moving average over this store's loads); a tier
+        no load has measured yet is absent."""
+        return self._core.load_rates.snapshot()
+
+    def wait_copies(self) -> None:
+        """Block until every memory tier's buffers hold their bytes (copies to or from a device run on
+        side streams and complete later): benchmarks and tests."""
+        core = self._core
+        with core.lock:
+            events = [
+                data.written
+                for tier in core.memory
+                for key in tier.held()
+                if (data := tier.read(key)) is not None and data.written is not None
+            ]
+        for event in events:
+            event.synchronize()
+
     def wait_prefetched(self, timeout: float | None = None) -> bool:
         """Block until every prefetch asked for so far has run (False if the timeout passed first)."""
         return self._prefetching.wait_idle(timeout)
@@ -159,19 +179,26 @@ class KVStore:
         self,
         namespace: str,
         token_ids: Sequence[int],
-        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
         *,
+        blocks: Sequence[torch.Tensor] | None = None,
         session: str | None = None,
     ) -> list[str]:
         """Store the chunks of token_ids not stored yet (copies them); returns the keys covering token_ids.
+        The KV comes as `layers` (per layer (K, V), [1, heads, >= tokens, head_dim]) or as `blocks` (per
+        chunk, [layers, 2, heads, n, head_dim]: a paged pool's pages, chunk_tokens each but the last).
 
         For a final partial chunk already covered by a longer stored sibling, the sibling's key is returned.
         """
         token_ids = list(token_ids)
         if not token_ids:
             return []
-        pairs = normalize_layers(layers, self.layout, len(token_ids))
+        if (layers is None) == (blocks is None):
+            raise ValueError("put takes the KV as layers or as blocks, one of the two")
         spans = chunk_spans(len(token_ids), self.config.chunk_tokens)
+        pairs = normalize_layers(layers, self.layout, len(token_ids)) if layers is not None else []
+        if blocks is not None:
+            _check_blocks(blocks, spans, self.layout)
         keys = self.chain_keys(namespace, token_ids)
         parents = [self._root_key(namespace), *keys[:-1]]
         chunks = [
@@ -184,7 +211,10 @@ class KVStore:
             todo = [i for i, c in enumerate(chunks) if not self._have(c, result, i)]
         if not todo:
             return result
-        data = copy_chunks(pairs, {i: spans[i] for i in todo}, self.layout, self.device)  # no lock held
+        if blocks is not None:  # no lock held
+            data = copy_blocks(blocks, todo, self.device)
+        else:
+            data = copy_chunks(pairs, {i: spans[i] for i in todo}, self.layout, self.device)
         saves: list[Save] = []
         deletes: list[str] = []
         copies: list[Copy] = []
@@ -295,6 +325,16 @@ class KVStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_blocks(blocks: Sequence[torch.Tensor], spans: list[tuple[int, int]], layout: KVLayout) -> None:
+    """put's blocks must be one per chunk, each [layers, 2, heads, n, head_dim] of the chunk's n tokens."""
+    if len(blocks) != len(spans):
+        raise ValueError(f"put: {len(blocks)} blocks for {len(spans)} chunks")
+    for b, (s, e) in zip(blocks, spans, strict=True):
+        want = (layout.num_layers, 2, layout.num_kv_heads, e - s, layout.head_dim)
+        if tuple(b.shape) != want or b.dtype != layout.dtype:
+            raise ValueError(f"put: a block of {tuple(b.shape)} {b.dtype}, expected {want} {layout.dtype}")
 
 
 __all__ = ["KVStore"]

@@ -54,6 +54,10 @@ class TierBackend(ABC, Generic[H]):
     def __len__(self) -> int:
         return len(self._usage)
 
+    def held(self) -> list[str]:
+        """The chunks that count against this tier's budget (a snapshot)."""
+        return list(self._usage)
+
     # ---- the interface ------------------------------------------------------------------------------
 
     def admit(self, key: str, nbytes: int, handle: H) -> None:

@@ -12,20 +12,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    max_queue: int  # jobs waiting for a slot; past it a submit is refused (429 above)
-    max_running: int  # jobs in one batched step (the KV slots of each model's pool)
+    max_queue: int  # jobs waiting to run; past it a submit is refused (429 above)
+    max_running: int  # jobs in one batched step
     lookahead: int  # queued turns whose stored KV is prefetched (0: none)
     max_batch_tokens: int  # tokens one step feeds (chunked prefill)
     kv_budget_bytes: int  # KV of the running jobs; 0: bounded by max_running only
     max_context_tokens: int | None  # None: each model's own context
     truncate_on_overflow: bool  # drop the oldest turns of a prompt that does not fit (else refuse)
     decouple: bool  # a truncated turn moves its kept KV to the new positions (exact RoPE only)
-    batch_invariant: bool  # a job's logits do not depend on what else runs (docs/engine.md)
+    # a job's logits do not depend on what else runs (docs/engine.md, "Batch invariance"); None: where
+    # that was measured to cost little (model_step.invariant_by_default)
+    batch_invariant: bool | None
     compile: bool  # the packed step compiled (torch.compile), eager until it is ready
     scheduler_aware: bool  # the stores see the queue (prefetch, keep what is about to be used)
     overlap_with_compute: bool  # a job may compute while its layers still load
     evict_on_pressure: bool  # at low free memory, evict stored KV before refusing a turn
     min_free_memory_bytes: int  # 0: no memory-pressure check at admission
+    device_reserve_bytes: int  # on CUDA, device memory the KV pool leaves to others (the store's L0)
     # Not a setting: packed steps (every job of a model in one forward) where the model allows; False runs
     # one forward per job (a benchmark's same-run baseline).
     batch: bool = True
@@ -38,6 +41,7 @@ class EngineConfig:
             "max_batch_tokens": 1,
             "kv_budget_bytes": 0,
             "min_free_memory_bytes": 0,
+            "device_reserve_bytes": 0,
         }
         if self.max_context_tokens is not None:
             at_least["max_context_tokens"] = 1

@@ -6,7 +6,7 @@ KV stores, the scheduler and the worker thread. A turn is submitted (`run`; test
 `submit` and read the `Job`'s events), and the worker thread calls `step()` while there is work:
 
     schedule     admit waiting jobs that fit (round-robin between clients) and start them (lookup,
-                 restore into their slot); tell the stores what the queue looks like and prefetch the
+                 restore into their pages); tell the stores what the queue looks like and prefetch the
                  look-ahead window (store_hints.py); plan the step (scheduler.py)
     run          one forward per model for the step's work (step_run.py): packed (every job of the model
                  in one forward, decoding jobs attending in one call per layer) or one forward per job
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import AsyncGenerator, Mapping
@@ -42,17 +43,19 @@ from transformers import PreTrainedTokenizerBase
 from engine_api.errors import QueueFull, counts_as_hit
 from engine_api.stats import EngineStats
 from engine_api.turn import Event, Failed, Finished, GenerationRequest
-from kvtier import KVStore
+from kvtier import KVStore, PrefixMatch
 
 from .config import EngineConfig
 from .grammars import Grammars
+from .job_kv import JobKV
 from .job_state import JobState, Status
 from .jobs import Job, Outbox
-from .kv_slots import SlotPool
+from .kv_pages import DEFAULT_PAGE_TOKENS
 from .loader import LoadedModel
 from .memory_guard import MemoryGuard
 from .model_step import ModelStep
 from .realign import ShiftStats
+from .reuse_policy import restore_prefix
 from .rope_config import rope_shift_for
 from .rope_shift import RopeShift
 from .save_handoff import SaveHandoff
@@ -75,7 +78,7 @@ class EngineCounters:
         self.shift_stats = ShiftStats()
 
     def forked(self, tokens: int) -> None:
-        """n > 1: prompt tokens copied from the first answer's slot, not computed."""
+        """n > 1: prompt tokens copied from the first answer's pages, not computed."""
         with self._lock:
             self._forked_tokens += tokens
 
@@ -119,6 +122,8 @@ class EmbeddedEngine:
                 lm,
                 slots=config.max_running,
                 context=self._context_cap(lm),
+                page_tokens=self._page_tokens(name),
+                device_reserve_bytes=config.device_reserve_bytes,
                 batch=config.batch,
                 batch_invariant=config.batch_invariant,
                 compile=config.compile,
@@ -127,7 +132,9 @@ class EmbeddedEngine:
             for name, lm in self.models.items()
         }
         self.pools = {name: step.pool for name, step in self.steps.items()}
-        self.scheduler = Scheduler(config, self.pools)
+        # Prompt chunks cut where a job alone would cut them when any model's step is invariant.
+        invariant = any(step.batch_invariant for step in self.steps.values())
+        self.scheduler = Scheduler(config, self.pools, batch_invariant=invariant)
         self.memory = MemoryGuard(config, self.pools, self.stores)
         self.step_run = StepRun(self.steps, self.memory)
         self.hints = StoreHints(
@@ -137,6 +144,12 @@ class EmbeddedEngine:
         self.outbox = Outbox()  # the events of a step, handed to the event loop once per step
         self._worker = threading.Thread(target=self._serve, name="attnstore-runner", daemon=True)
         self.outbox.thread = self._worker
+
+    def _page_tokens(self, model: str) -> int:
+        """A page of the model's KV pool holds one chunk of its store (a restore or a save then moves
+        whole pages); without a store, DEFAULT_PAGE_TOKENS."""
+        store = self.stores.get(model)
+        return store.config.chunk_tokens if store is not None else DEFAULT_PAGE_TOKENS
 
     def _context_cap(self, lm: LoadedModel) -> int:
         limit = lm.max_context
@@ -190,8 +203,8 @@ class EmbeddedEngine:
 
     def context_limit(self, model: str) -> int:
         """Prompt + answer tokens a job may hold: the model's context, or less where the config (or, on
-        CUDA, the device memory for its KV slots) says so."""
-        return self.pools[model].capacity
+        CUDA, the device memory for its KV pool) says so."""
+        return min(self._context_cap(self.models[model]), self.pools[model].capacity)
 
     def max_context_tokens(self) -> int:
         return max((self.context_limit(m) for m in self.models), default=0)
@@ -293,28 +306,29 @@ class EmbeddedEngine:
             self.outbox.flush()
 
     def _schedule(self) -> None:
-        for job, pool, slot in self.scheduler.admit():
+        self.scheduler.resume_preempted()
+        for job, kv in self.scheduler.admit():
             self.hints.admitted(job)
-            self.scheduler.started(self._start(job, pool, slot))
+            self.scheduler.started(self._start(job, kv))
         self.hints.update(self.scheduler.running, self.scheduler.window())
         self.scheduler.end_cancelled()
 
-    def _start(self, job: Job, pool: SlotPool, slot: int) -> JobState | None:
-        """A job taken from the queue: refuse it (memory pressure), or look its prefix up and start its
-        restore. A device out of memory while starting demotes L0 and retries once."""
+    def _start(self, job: Job, kv: JobKV) -> JobState | None:
+        """A job taken from the queue with its pages: refuse it (memory pressure), or look its prefix up
+        and start its restore. A device out of memory while starting demotes L0 and retries once."""
         if job.cancelled:  # its client left while it was being admitted
             job.emit(Finished("cancelled", len(job.request.prompt_ids), 0, 0))
-            pool.release(slot)
+            kv.release()
             return None
         refusal = self.memory.refusal(job)
         if refusal is not None:
             job.emit(Failed(refusal, status=503, code="memory_pressure"))
-            pool.release(slot)
+            kv.release()
             return None
         for attempt in (1, 2):
             state = None
             try:
-                state = self._job_state(job, pool, slot)
+                state = self._job_state(job, kv)
                 state.begin()
                 return state
             except torch.OutOfMemoryError:
@@ -329,32 +343,43 @@ class EmbeddedEngine:
                 _abandon(state)
                 job.emit(Failed(f"could not start: {exc}"))
             break
-        self.handoff.release_after_restore(pool, slot, state)
+        self.handoff.release_after_restore(kv, state)
         return None
 
-    def _job_state(self, job: Job, pool: SlotPool, slot: int) -> JobState:
+    def _job_state(self, job: Job, kv: JobKV) -> JobState:
         req = job.request
-        source = self._fork_source(req, pool)
+        source = self._fork_source(req, kv)
         if source is not None:
             self.counters.forked(len(req.prompt_ids) - 1)
         return JobState(
             job,
             self.models[req.model],
             self.stores.get(req.model),
-            pool,
-            slot,
+            kv,
             rope=self._rope.get(req.model),
             shift_stats=self.counters.shift_stats,
             fork_source=source,
+            restore_plan=functools.partial(self._restore_plan, req.model),
         )
 
-    def _fork_source(self, req: GenerationRequest, pool: SlotPool) -> JobState | None:
-        """n > 1: the running job of the prompt this one shares, once its prompt is in its slot (it is
+    def _restore_plan(self, model: str, match: PrefixMatch) -> PrefixMatch:
+        """The part of a stored prefix worth restoring (reuse_policy.py): what its tiers' measured
+        bandwidth loads faster than this model's measured prefill recomputes."""
+        store = self.stores[model]
+        return restore_prefix(
+            match,
+            store.load_rates(),
+            self.models[model].layout.bytes_per_token,
+            self.steps[model].prefill_rate.per_token,
+        )
+
+    def _fork_source(self, req: GenerationRequest, kv: JobKV) -> JobState | None:
+        """n > 1: the running job of the prompt this one shares, once its prompt is in its pages (it is
         decoding); None when there is none (it ended already): then this one looks the prompt up."""
         if req.fork_of is None:
             return None
         for state in self.scheduler.running:
-            if state.job.request is req.fork_of and state.pool is pool and state.status is Status.DECODING:
+            if state.job.request is req.fork_of and state.pool is kv.pool and state.status is Status.DECODING:
                 return state
         return None
 

@@ -2,9 +2,11 @@
 // keys, so its bits depend on its query and keys only: never on the other rows of the call, the chunk it
 // arrives in, or the padding of anyone else (local_runner/exact_kernel.py builds and loads this file).
 //
-// One call per layer for every token of a step (decoding tokens and prompt chunks alike): token t, in
-// slot slots[t], attends to that slot's first lengths[t] keys. The query heads that share a K/V head are
-// computed together (each K and V row read once for them). Per row and head:
+// One call per layer for every token of a step (decoding tokens and prompt chunks alike): token t, of
+// job jobs[t], attends to that job's first lengths[t] keys, which lie in the pages its row of `tables`
+// names (kv_pages.py: page p holds keys [p * page_tokens, (p + 1) * page_tokens) of a job, each K/V
+// head's rows contiguous). The query heads that share a K/V head are computed together (each K and V row
+// read once for them). Per row and head:
 //   scores[j] = dot(q, k_j) * scale   (8 lanes over head_dim in order, summed in a fixed tree)
 //   weights   = exp(scores - max)     (one polynomial for every lane; blocks of 8, the tail padded
 //                                      with -inf, whose weight is exactly 0)
@@ -52,13 +54,13 @@ inline v8f sum8x8(const v8f* x) {
   return __builtin_shuffle(quad[0], quad[1], low) + __builtin_shuffle(quad[0], quad[1], high);
 }
 
-// The starts of the runs of up to `most` consecutive tokens of one slot (a work item's tokens), then
+// The starts of the runs of up to `most` consecutive tokens of one job (a work item's tokens), then
 // `tokens`: run i is [starts[i], starts[i + 1]).
-std::vector<int64_t> slot_runs(const int64_t* slots, int64_t tokens, int64_t most) {
+std::vector<int64_t> job_runs(const int64_t* jobs, int64_t tokens, int64_t most) {
   std::vector<int64_t> starts;
   for (int64_t t = 0; t < tokens;) {
     int64_t n = 1;
-    while (n < most && t + n < tokens && slots[t + n] == slots[t]) ++n;
+    while (n < most && t + n < tokens && jobs[t + n] == jobs[t]) ++n;
     starts.push_back(t);
     t += n;
   }
@@ -66,7 +68,30 @@ std::vector<int64_t> slot_runs(const int64_t* slots, int64_t tokens, int64_t mos
   return starts;
 }
 
-// Consecutive tokens of one slot are computed together (a prompt chunk's), so each key and value read
+// One job's keys (or values) of one K/V head, key j at row(j): in its page, behind the pages before it.
+// Keys are read in blocks of up to 16 that start at a multiple of the block size, and a page holds a
+// multiple of 64 keys, so a block's keys are consecutive rows of one page.
+template <typename T>
+struct PagedRows {
+  const T* base;        // the layer's pages, offset to this K/V head's rows
+  int64_t page_stride;  // elements from one page to the next
+  const int64_t* pages;  // the job's page table
+  int64_t page_tokens;
+  int64_t dim;
+  int shift;  // log2(page_tokens) where it is a power of two (a shift, not a division, per key), else -1
+  const T* row(int64_t j) const {
+    if (shift >= 0) return base + pages[j >> shift] * page_stride + (j & (page_tokens - 1)) * dim;
+    return base + pages[j / page_tokens] * page_stride + (j % page_tokens) * dim;
+  }
+};
+
+inline int log2_exact(int64_t n) {
+  int s = 0;
+  while ((int64_t{1} << s) < n) ++s;
+  return (int64_t{1} << s) == n ? s : -1;
+}
+
+// Consecutive tokens of one job are computed together (a prompt chunk's), so each key and value read
 // serves every query row of the tile; a row's arithmetic is the same in a tile of any size.
 constexpr int64_t kTileTokens = 4;
 
@@ -74,14 +99,15 @@ constexpr int64_t kTileTokens = 4;
 // eight keys at a time (independent sums, one transposed tree), the rest one by one; either way each
 // dot is the same lane-wise sum in sum8's tree.
 template <typename T, int C>
-void score_keys(const v8f* query, int64_t rows, const T* keys, int64_t length, float scale, float* scores,
+void score_keys(const v8f* query, int64_t rows, const PagedRows<T>& keys, int64_t length, float scale, float* scores,
                 int64_t stride) {
   constexpr int64_t dim = C * kLanes;
   v8f key[kLanes][C];
   int64_t j = 0;
   for (; j + kLanes <= length; j += kLanes) {
+    const T* block = keys.row(j);
     for (int64_t r = 0; r < kLanes; ++r)
-      for (int c = 0; c < C; ++c) key[r][c] = load8(keys + (j + r) * dim + c * kLanes);
+      for (int c = 0; c < C; ++c) key[r][c] = load8(block + r * dim + c * kLanes);
     for (int64_t row = 0; row < rows; ++row) {
       const v8f* q = query + row * C;
       v8f lane[kLanes];
@@ -94,7 +120,8 @@ void score_keys(const v8f* query, int64_t rows, const T* keys, int64_t length, f
     }
   }
   for (; j < length; ++j) {
-    for (int c = 0; c < C; ++c) key[0][c] = load8(keys + j * dim + c * kLanes);
+    const T* one = keys.row(j);
+    for (int c = 0; c < C; ++c) key[0][c] = load8(one + c * kLanes);
     for (int64_t row = 0; row < rows; ++row) {
       const v8f* q = query + row * C;
       v8f lane = q[0] * key[0][0];
@@ -107,13 +134,14 @@ void score_keys(const v8f* query, int64_t rows, const T* keys, int64_t length, f
 // score_keys for one row, its keys read straight from memory (a decoding token: nothing to share them
 // with); the same sums as score_keys.
 template <typename T, int C>
-void score_keys_one(const v8f* query, const T* keys, int64_t length, float scale, float* scores) {
+void score_keys_one(const v8f* query, const PagedRows<T>& keys, int64_t length, float scale, float* scores) {
   constexpr int64_t dim = C * kLanes;
   int64_t j = 0;
   for (; j + kLanes <= length; j += kLanes) {
     v8f lane[kLanes];
+    const T* block = keys.row(j);
     for (int64_t r = 0; r < kLanes; ++r) {
-      const T* key = keys + (j + r) * dim;
+      const T* key = block + r * dim;
       lane[r] = query[0] * load8(key);
       for (int c = 1; c < C; ++c) lane[r] += query[c] * load8(key + c * kLanes);
     }
@@ -121,7 +149,7 @@ void score_keys_one(const v8f* query, const T* keys, int64_t length, float scale
     std::memcpy(scores + j, &s, sizeof(s));
   }
   for (; j < length; ++j) {
-    const T* key = keys + j * dim;
+    const T* key = keys.row(j);
     v8f lane = query[0] * load8(key);
     for (int c = 1; c < C; ++c) lane += query[c] * load8(key + c * kLanes);
     scores[j] = sum8(lane) * scale;
@@ -130,13 +158,13 @@ void score_keys_one(const v8f* query, const T* keys, int64_t length, float scale
 
 // weigh_values for one row, all its sums in registers; the same sums as weigh_values.
 template <typename T, int C>
-void weigh_values_one(const float* weights, const T* values, int64_t length, v8f* out) {
-  constexpr int64_t dim = C * kLanes;
+void weigh_values_one(const float* weights, const PagedRows<T>& values, int64_t length, v8f* out) {
   v8f acc[C];
   for (int c = 0; c < C; ++c) acc[c] = splat(0.0f);
   for (int64_t j = 0; j < length; ++j) {
     const v8f w = splat(weights[j]);
-    for (int c = 0; c < C; ++c) acc[c] += w * load8(values + j * dim + c * kLanes);
+    const T* value = values.row(j);
+    for (int c = 0; c < C; ++c) acc[c] += w * load8(value + c * kLanes);
   }
   for (int c = 0; c < C; ++c) out[c] = acc[c];
 }
@@ -144,9 +172,8 @@ void weigh_values_one(const float* weights, const T* values, int64_t length, v8f
 // out_r = sum_j weights_r[j] * v_j (j in order) for the tile's rows, j < length; a row's weights past
 // its own keys are 0, and adding 0 * v leaves its sums as they are. Four rows' sums in registers.
 template <typename T, int C>
-void weigh_values(const float* weights, int64_t rows, int64_t stride, const T* values, int64_t length,
+void weigh_values(const float* weights, int64_t rows, int64_t stride, const PagedRows<T>& values, int64_t length,
                   v8f* out) {
-  constexpr int64_t dim = C * kLanes;
   constexpr int kPart = C < 2 ? C : 2;  // head_dim chunks per pass: 4 rows x 2 chunks in registers
   for (int64_t first = 0; first < rows; first += 4) {
     const int64_t n = rows - first < 4 ? rows - first : 4;
@@ -156,7 +183,8 @@ void weigh_values(const float* weights, int64_t rows, int64_t stride, const T* v
         for (int c = 0; c < kPart; ++c) acc[r][c] = splat(0.0f);
       for (int64_t j = 0; j < length; ++j) {
         v8f value[kPart];
-        for (int c = 0; c < kPart; ++c) value[c] = load8(values + j * dim + (c0 + c) * kLanes);
+        const T* row = values.row(j);
+        for (int c = 0; c < kPart; ++c) value[c] = load8(row + (c0 + c) * kLanes);
         for (int64_t r = 0; r < n; ++r) {
           const v8f w = splat(weights[(first + r) * stride + j]);
           for (int c = 0; c < kPart; ++c) acc[r][c] += w * value[c];
@@ -168,12 +196,28 @@ void weigh_values(const float* weights, int64_t rows, int64_t stride, const T* v
   }
 }
 
+// Where a call's pages are: the layer's K and V pages (each [pages, kv_heads, page_tokens, dim], pages
+// `page_stride` elements apart) and each job's page table (a row of `tables`, `table_width` wide).
+template <typename T>
+struct Pages {
+  const T* k;
+  const T* v;
+  int64_t page_stride;
+  int64_t page_tokens;
+  const int64_t* tables;
+  int64_t table_width;
+  PagedRows<T> rows(const T* base, int64_t job, int64_t kvh, int64_t dim) const {
+    return {base + kvh * page_tokens * dim, page_stride, tables + job * table_width, page_tokens, dim,
+            log2_exact(page_tokens)};
+  }
+};
+
 template <typename T, int C>
-void attend_rows(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lengths, T* out,
-                 int64_t tokens, int64_t heads, int64_t kv_heads, int64_t capacity, float scale) {
+void attend_rows(const T* q, const Pages<T>& pages, const int64_t* jobs, const int64_t* lengths, T* out,
+                 int64_t tokens, int64_t heads, int64_t kv_heads, float scale) {
   constexpr int64_t dim = C * kLanes;
   const int64_t group = heads / kv_heads;
-  const std::vector<int64_t> tiles = slot_runs(slots, tokens, kTileTokens);
+  const std::vector<int64_t> tiles = job_runs(jobs, tokens, kTileTokens);
   const int64_t count = static_cast<int64_t>(tiles.size()) - 1;
   at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<v8f> query, acc;
@@ -185,8 +229,8 @@ void attend_rows(const T* q, const T* k, const T* v, const int64_t* slots, const
       int64_t longest = 0;
       for (int64_t i = 0; i < n; ++i) longest = lengths[t0 + i] > longest ? lengths[t0 + i] : longest;
       const int64_t stride = (longest + kLanes - 1) / kLanes * kLanes;
-      const T* keys = k + (slots[t0] * kv_heads + kvh) * capacity * dim;
-      const T* values = v + (slots[t0] * kv_heads + kvh) * capacity * dim;
+      const PagedRows<T> keys = pages.rows(pages.k, jobs[t0], kvh, dim);
+      const PagedRows<T> values = pages.rows(pages.v, jobs[t0], kvh, dim);
       query.resize(rows * C);
       acc.resize(rows * C);
       for (int64_t i = 0; i < n; ++i)
@@ -282,15 +326,15 @@ inline void store_tile([[maybe_unused]] TileUnit& unit, int t, float* dst) {
 }
 
 template <int C>
-void attend_rows_tiles(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v, const int64_t* slots,
+void attend_rows_tiles(const at::BFloat16* q, const Pages<at::BFloat16>& pages, const int64_t* jobs,
                        const int64_t* lengths, at::BFloat16* out, int64_t tokens, int64_t heads, int64_t kv_heads,
-                       int64_t capacity, float scale) {
+                       float scale) {
   constexpr int64_t dim = C * kLanes, chunks = dim / 32;
   const int64_t group = heads / kv_heads;
-  const std::vector<int64_t> items_start = slot_runs(slots, tokens, kTileRows / group);
+  const std::vector<int64_t> items_start = job_runs(jobs, tokens, kTileRows / group);
   const int64_t count = static_cast<int64_t>(items_start.size()) - 1;
-  const auto* kbits = reinterpret_cast<const uint16_t*>(k);
-  const auto* vbits = reinterpret_cast<const uint16_t*>(v);
+  const Pages<uint16_t> bits{reinterpret_cast<const uint16_t*>(pages.k), reinterpret_cast<const uint16_t*>(pages.v),
+                             pages.page_stride, pages.page_tokens, pages.tables, pages.table_width};
   const auto* qbits = reinterpret_cast<const uint16_t*>(q);
   at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
     [[maybe_unused]] TileUnit unit;
@@ -314,8 +358,8 @@ void attend_rows_tiles(const at::BFloat16* q, const at::BFloat16* k, const at::B
         own[r] = r < rows ? static_cast<int32_t>(lengths[t0 + r / group]) : 1;
         longest = own[r] > longest ? own[r] : longest;
       }
-      const uint16_t* keys = kbits + (slots[t0] * kv_heads + kvh) * capacity * dim;
-      const uint16_t* values = vbits + (slots[t0] * kv_heads + kvh) * capacity * dim;
+      const PagedRows<uint16_t> keys = bits.rows(bits.k, jobs[t0], kvh, dim);
+      const PagedRows<uint16_t> values = bits.rows(bits.v, jobs[t0], kvh, dim);
       std::memset(query_t, 0, sizeof(query_t));
       for (int64_t r = 0; r < rows; ++r) {
         const uint16_t* row = qbits + ((t0 + r / group) * heads + kvh * group + r % group) * dim;
@@ -325,7 +369,7 @@ void attend_rows_tiles(const at::BFloat16* q, const at::BFloat16* k, const at::B
       const int64_t blocks = (longest + 15) / 16;
       scores.resize(blocks * 16 * kTileRows);
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint16_t* block = keys + b * 16 * dim;
+        const uint16_t* block = keys.row(b * 16);
         if ((b + 1) * 16 > longest) {
           std::memset(tail, 0, sizeof(tail));
           std::memcpy(tail, block, (longest - b * 16) * dim * sizeof(uint16_t));
@@ -387,9 +431,9 @@ void attend_rows_tiles(const at::BFloat16* q, const at::BFloat16* k, const at::B
           for (int64_t i = 0; i < 16; ++i) {
             const int64_t j = k0 + 2 * i;
             for (int h = 0; h < tiles / 2; ++h) {  // 32 dims of keys j and j + 1, interleaved
-              const __m512i a = j < longest ? _mm512_loadu_si512(values + j * dim + d0 + 32 * h) : _mm512_setzero_si512();
+              const __m512i a = j < longest ? _mm512_loadu_si512(values.row(j) + d0 + 32 * h) : _mm512_setzero_si512();
               const __m512i b =
-                  j + 1 < longest ? _mm512_loadu_si512(values + (j + 1) * dim + d0 + 32 * h) : _mm512_setzero_si512();
+                  j + 1 < longest ? _mm512_loadu_si512(values.row(j + 1) + d0 + 32 * h) : _mm512_setzero_si512();
               _mm512_store_si512(pairs[2 * h][i], _mm512_permutex2var_epi16(a, interleave_low, b));
               _mm512_store_si512(pairs[2 * h + 1][i], _mm512_permutex2var_epi16(a, interleave_high, b));
             }
@@ -417,43 +461,51 @@ bool tiles_serve(int64_t dim, int64_t heads, int64_t kv_heads) {
 #else
 bool tiles_serve(int64_t, int64_t, int64_t) { return false; }
 template <int C>
-void attend_rows_tiles(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*, const int64_t*,
-                       at::BFloat16*, int64_t, int64_t, int64_t, int64_t, float) {}
+void attend_rows_tiles(const at::BFloat16*, const Pages<at::BFloat16>&, const int64_t*, const int64_t*, at::BFloat16*,
+                       int64_t, int64_t, int64_t, float) {}
 #endif
 
 }  // namespace
 
-// q [tokens, heads, dim]; k_pool, v_pool [slots, kv_heads, capacity, dim]; slots, lengths [tokens] int64.
-at::Tensor exact_attend(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots, at::Tensor lengths,
-                        double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "exact_attend: shapes");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && v_pool.scalar_type() == k_pool.scalar_type(),
+// q [tokens, heads, dim]; k_pages, v_pages [pages, kv_heads, page_tokens, dim] (pages may lie apart: a
+// paged pool's layer view); tables [jobs, width] int64, each job's pages in order; jobs, lengths [tokens]
+// int64: each token's row of `tables` and its key count.
+at::Tensor exact_attend(at::Tensor q, at::Tensor k_pages, at::Tensor v_pages, at::Tensor tables, at::Tensor jobs,
+                        at::Tensor lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.sizes() == k_pages.sizes(), "exact_attend: shapes");
+  TORCH_CHECK(q.scalar_type() == k_pages.scalar_type() && v_pages.scalar_type() == k_pages.scalar_type(),
               "exact_attend: one dtype for q, k and v");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "exact_attend: contiguous pools");
-  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) == k_pool.size(3), "exact_attend: head_dim");
+  const int64_t kv_heads = k_pages.size(1), page_tokens = k_pages.size(2), dim = q.size(2);
+  for (const auto& p : {k_pages, v_pages})
+    TORCH_CHECK(p.stride(3) == 1 && p.stride(2) == dim && p.stride(1) == page_tokens * dim &&
+                    p.stride(0) == k_pages.stride(0),
+                "exact_attend: each page's rows contiguous, pages one stride apart");
+  TORCH_CHECK(page_tokens % 16 == 0, "exact_attend: a page holds a multiple of 16 keys");
+  TORCH_CHECK(dim % kLanes == 0 && dim == k_pages.size(3), "exact_attend: head_dim");
+  TORCH_CHECK(tables.dim() == 2, "exact_attend: tables [jobs, pages]");
   auto qc = q.contiguous();
-  auto sc = slots.to(at::kLong).contiguous();
+  auto tc = tables.to(at::kLong).contiguous();
+  auto jc = jobs.to(at::kLong).contiguous();
   auto lc = lengths.to(at::kLong).contiguous();
   auto out = at::empty_like(qc);
-  const int64_t tokens = qc.size(0), heads = qc.size(1), dim = qc.size(2);
-  const int64_t kv_heads = k_pool.size(1), capacity = k_pool.size(2);
+  const int64_t tokens = qc.size(0), heads = qc.size(1);
   TORCH_CHECK(heads % kv_heads == 0, "exact_attend: heads");
   auto by_dim = [&](auto type) {
     using scalar_t = typename decltype(type)::type;
+    const Pages<scalar_t> pages{k_pages.data_ptr<scalar_t>(), v_pages.data_ptr<scalar_t>(), k_pages.stride(0),
+                                page_tokens, tc.data_ptr<int64_t>(), tc.size(1)};
     auto run = [&](auto chunks) {
       if constexpr (std::is_same_v<scalar_t, at::BFloat16> && decltype(chunks)::value % 4 == 0) {
         if (tiles_serve(dim, heads, kv_heads)) {
-          attend_rows_tiles<decltype(chunks)::value>(
-              qc.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
-              sc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), tokens, heads, kv_heads,
-              capacity, static_cast<float>(scale));
+          attend_rows_tiles<decltype(chunks)::value>(qc.data_ptr<scalar_t>(), pages, jc.data_ptr<int64_t>(),
+                                                     lc.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), tokens, heads,
+                                                     kv_heads, static_cast<float>(scale));
           return;
         }
       }
-      attend_rows<scalar_t, decltype(chunks)::value>(
-          qc.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
-          sc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), tokens, heads, kv_heads,
-          capacity, static_cast<float>(scale));
+      attend_rows<scalar_t, decltype(chunks)::value>(qc.data_ptr<scalar_t>(), pages, jc.data_ptr<int64_t>(),
+                                                     lc.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), tokens, heads,
+                                                     kv_heads, static_cast<float>(scale));
     };
     switch (dim) {  // the head sizes of today's models (exact_kernel.HEAD_DIMS); others are refused
       case 16: run(std::integral_constant<int, 2>{}); break;
@@ -477,7 +529,9 @@ at::Tensor exact_attend(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::
 }
 
 TORCH_LIBRARY(attnstore, m) {
-  m.def("exact_attend(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor lengths, float scale) -> Tensor");
+  m.def(
+      "exact_attend(Tensor q, Tensor k_pages, Tensor v_pages, Tensor tables, Tensor jobs, Tensor lengths, float scale) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnstore, CPU, m) { m.impl("exact_attend", &exact_attend); }

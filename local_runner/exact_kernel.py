@@ -16,6 +16,7 @@ the reason is logged once and shown in /healthz (`attention`).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -93,18 +94,24 @@ def build(cache_dir: Path) -> str | None:
                 log.info("building the exact attention kernel in %s (once per machine, ~30 s)", folder)
             # cpp_extension runs `ninja` from PATH: the one installed beside this Python comes first
             os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-            # A plain shared library registering torch.ops.attnstore.exact_attend (no Python module: the
-            # pybind11 bindings' headers would double the build); cpp_extension loads it.
-            cpp_extension.load(
-                name="attnstore_exact_attention",
-                sources=[str(source) for source in _SOURCES],
-                # -fopenmp: at::parallel_for's OpenMP region is in a header, compiled here
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(folder),
-                is_python_module=False,
-                verbose=False,
-            )
+            # One build at a time per folder, across processes, by a lock the OS releases when its holder
+            # dies: cpp_extension's own (a `lock` file) outlives a builder killed mid-build, and every
+            # later start would wait for it forever; under ours, such a file is stale.
+            with open(folder / "attnstore-build.lock", "w") as guard:
+                fcntl.flock(guard, fcntl.LOCK_EX)
+                (folder / "lock").unlink(missing_ok=True)
+                # A plain shared library registering torch.ops.attnstore.exact_attend (no Python module:
+                # the pybind11 bindings' headers would double the build); cpp_extension loads it.
+                cpp_extension.load(
+                    name="attnstore_exact_attention",
+                    sources=[str(source) for source in _SOURCES],
+                    # -fopenmp: at::parallel_for's OpenMP region is in a header, compiled here
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(folder),
+                    is_python_module=False,
+                    verbose=False,
+                )
             _kernel = torch.ops.attnstore.exact_attend.default
             _check_elementwise()
             log.info("exact attention kernel ready in %.1f s", time.perf_counter() - started)
@@ -151,12 +158,14 @@ def describe(head_dim: int) -> str:
 
 def attend(
     q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    slots: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    tables: torch.Tensor,
+    jobs: torch.Tensor,
     lengths: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [tokens, heads, dim]; k_pool, v_pool [slots, kv_heads, capacity, dim] (one layer of a pool);
-    token t attends to the first lengths[t] keys of slot slots[t]; [tokens, heads, dim] out."""
-    return _kernel(q, k_pool, v_pool, slots, lengths, scale)
+    """q [tokens, heads, dim]; k_pages, v_pages [pages, kv_heads, page_tokens, dim] (one layer of a page
+    pool); token t attends to the first lengths[t] keys of job jobs[t], whose pages are tables[jobs[t]]
+    in order; [tokens, heads, dim] out."""
+    return _kernel(q, k_pages, v_pages, tables, jobs, lengths, scale)

@@ -1,14 +1,18 @@
-"""One admitted job between steps: its slot and reused KV, how much of its prompt is fed, what it generated.
+"""One admitted job between steps: its pages and reused KV, how much of its prompt is fed, what it generated.
 
 A job's life is an explicit `Status`:
 
-    RESTORING   its stored prefix is still being read into its slot: steps leave it out (unless nothing
+    RESTORING   its stored prefix is still being read into its pages: steps leave it out (unless nothing
                 else can run, and then it computes while its layers arrive)
     PREFILLING  feeding prompt tokens, in chunks under the step's token budget
     DECODING    one sampled token per step
     SAVING      ended (its last text is sent); its KV is being handed to the store off the step thread,
-                then `Finished` goes out and the slot is free
-    DONE        nothing left: the slot is back in the pool
+                then `Finished` goes out and its pages are free
+    DONE        nothing left: its pages are back in the pool
+
+A job the pool cannot grow (every page taken, on a device) may be preempted: its pages go back and it
+waits again; when it runs again it feeds its prompt and the tokens it generated so far once more
+(`preempt`), then decodes on.
 
 The worker decides what runs in each step; a JobState says what it needs next (`next_tokens`) and takes
 the result (`advance`). Prefill reuses the longest stored KV prefix for the job's tenant and model and
@@ -20,6 +24,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 
 import torch
@@ -30,11 +35,11 @@ from kvtier import KVLoadError, KVStore, PrefixMatch, RestoredKV
 
 from .job_kv import JobKV
 from .jobs import Job
-from .kv_slots import SlotPool
+from .kv_pages import PagePool, PoolExhausted
 from .loader import LoadedModel
 from .realign import Realignment, ShiftedKV, ShiftStats, find_realignment, used_tokens_by_tier
 from .rope_shift import RopeShift
-from .sampling import Sampler
+from .sampling import RowLogits, Sampler
 from .text_stream import TextStream
 
 log = logging.getLogger("attnstore.runner")
@@ -66,44 +71,47 @@ class JobState:
         job: Job,
         lm: LoadedModel,
         store: KVStore | None,
-        pool: SlotPool,
-        slot: int,
+        kv: JobKV,
         *,
         rope: RopeShift | None = None,
         shift_stats: ShiftStats | None = None,
         fork_source: JobState | None = None,
+        restore_plan: Callable[[PrefixMatch], PrefixMatch] | None = None,
     ):
         self.job = job
         self.lm = lm
         self.store = store if job.request.reuse else None
-        self.pool = pool
-        self.slot = slot
+        self.pool: PagePool = kv.pool
         req = job.request
         self.sampler = Sampler(req.sampling, req.compiled_grammar)
         self._logprobs: list[TokenLogprob] = []  # tokens accepted since the last TextDelta (when asked)
         self.text = TextStream(lm.tokenizers.get(), req.sampling.stop)
         self.fed_ids: list[int] = []  # tokens whose KV is in self.kv
+        self.feed: list[int] = req.prompt_ids  # what prefill feeds: the prompt (or a preempted job's tokens)
+        self._replaying = False  # a preempted job feeding its tokens again (their logits are not sampled)
         self.generated: list[int] = []
         self.pending_token: int | None = None  # sampled, not yet fed
         self.match: PrefixMatch | None = None
         self.restored: RestoredKV | None = None  # until the restore is known to have succeeded
         self.reused = 0
+        self.skipped = 0  # stored tokens recomputed: loading them was measured slower (reuse_policy)
+        self._restore_plan = restore_plan
         self.rope = rope  # the model's RoPE where a truncated turn may move stored KV
         self.shift_stats = shift_stats
         self.realigned: Realignment | None = None  # the kept turns' KV, moved after a truncation
         self._pins = ExitStack()
-        self.kv = JobKV(pool, slot)
+        self.kv = kv
         self.status = Status.PREFILLING
         self.finish_reason: str | None = None
         self._retried_lookup = False  # recompute() looks the prompt up again once
-        # n > 1: the running job whose slot holds this prompt's KV (read once, in begin()).
+        # n > 1: the running job whose pages hold this prompt's KV (read once, in begin()).
         self._fork_source = fork_source
-        self.forked = 0  # prompt tokens whose KV was copied from that job's slot
+        self.forked = 0  # prompt tokens whose KV was copied from that job's pages
 
     # -- start ----------------------------------------------------------------------------------------
 
     def begin(self) -> None:
-        """Find the stored prefix and start restoring it into the slot (never waits for it)."""
+        """Find the stored prefix and start restoring it into its pages (never waits for it)."""
         req = self.job.request
         if self._fork_source is not None:
             self._begin_forked(self._fork_source)
@@ -115,26 +123,25 @@ class JobState:
         match = self.store.lookup(req.namespace, req.prompt_ids[:-1], hint_keys=req.hint_keys)
         if self.rope is not None and req.previous_keys and self._begin_shifted(match.tokens):
             return
+        if self._restore_plan is not None and match.tokens:
+            kept = self._restore_plan(match)
+            self.skipped = match.tokens - kept.tokens
+            match = kept
         if not match.tokens:
             return
         self._pins.enter_context(self.store.acquire(match))
         self.match = match
-        self.restored = self.store.load(match, out=self.kv.restore_targets())
-        self.kv = JobKV(self.pool, self.slot, self.restored, match.tokens)
+        self.restored = self.store.load(match, out=self.kv.restore_target(match.tokens))
+        self.kv.restoring_from(self.restored, match.tokens)
         self.fed_ids = list(req.prompt_ids[: match.tokens])
         self.reused = match.tokens
         self.status = Status.RESTORING
 
     def _begin_forked(self, source: JobState) -> None:
         """Copy the prompt's KV (but its last token, whose logits each answer computes for itself) from
-        the slot of the job answering the same prompt: a copy per layer instead of a prefill."""
+        the pages of the job answering the same prompt: a copy per page instead of a prefill."""
         n = len(self.job.request.prompt_ids) - 1
-        for (k, v), (source_k, source_v) in zip(
-            self.pool.slot_layers(self.slot), source.pool.slot_layers(source.slot), strict=True
-        ):
-            k[:, :, :n].copy_(source_k[:, :, :n])
-            v[:, :, :n].copy_(source_v[:, :, :n])
-        self.kv.length = n
+        self.kv.copy_from(source.kv, n)
         self.fed_ids = list(self.job.request.prompt_ids[:n])
         self.reused = self.forked = n
 
@@ -150,13 +157,16 @@ class JobState:
             return False
         source = self.store.lookup(req.namespace, previous[: found.source_end], count=False)
         found = found.within(source.tokens)
-        if found is None or found.reused <= in_place or found.source_end > self.pool.capacity:
+        if found is None or found.reused <= in_place:
             return False
+        try:
+            target = self.kv.restore_target(source.tokens)  # the dropped turns are read too, then overwritten
+        except PoolExhausted:
+            return False  # no room for them: an ordinary lookup instead
         self._pins.enter_context(self.store.acquire(source))
         self.match = source
-        self.restored = self.store.load(source, out=self.kv.restore_targets())
-        shifted = ShiftedKV(self.restored, found, self.rope)
-        self.kv = JobKV(self.pool, self.slot, shifted, found.reused)
+        self.restored = self.store.load(source, out=target)
+        self.kv.restoring_from(ShiftedKV(self.restored, found, self.rope, self.kv), found.reused)
         self.fed_ids = list(req.prompt_ids[: found.reused])
         self.reused = found.reused
         self.realigned = found
@@ -164,12 +174,12 @@ class JobState:
         return True
 
     def release_pins(self) -> None:
-        """Let the store evict the matched chunks again (they are in the slot, or no longer needed)."""
+        """Let the store evict the matched chunks again (they are in its pages, or no longer needed)."""
         self._pins.close()
 
     @property
     def restore_pending(self) -> bool:
-        """Its restore is still writing into the slot (the slot may not be reused before it is over)."""
+        """Its restore is still writing into its pages (they may not be reused before it is over)."""
         return self.restored is not None and not self.restored.ready
 
     @property
@@ -200,7 +210,7 @@ class JobState:
         log.warning("stored KV unreadable (%s); recomputing the prompt", exc)
         self._pins.close()
         self.match, self.restored, self.reused, self.realigned = None, None, 0, None
-        self.kv = JobKV(self.pool, self.slot)
+        self.kv.reset()
         self.fed_ids = []
         self.status = Status.PREFILLING
         if not self._retried_lookup:
@@ -211,28 +221,45 @@ class JobState:
                 log.warning("a second lookup after a failed restore failed; recomputing", exc_info=True)
                 self._pins.close()
                 self.match, self.restored, self.reused, self.fed_ids = None, None, 0, []
-                self.kv = JobKV(self.pool, self.slot)
+                self.kv.reset()
                 self.status = Status.PREFILLING
 
     # -- steps ----------------------------------------------------------------------------------------
 
     @property
     def prefilling(self) -> bool:
-        return len(self.fed_ids) < len(self.job.request.prompt_ids)
+        return len(self.fed_ids) < len(self.feed)
 
     def next_tokens(self, budget: int) -> list[int]:
         """The tokens to feed in the next step: up to `budget` of the prompt, or the one sampled token."""
         if self.prefilling:
             start = len(self.fed_ids)
-            return list(self.job.request.prompt_ids[start : start + max(1, budget)])
+            return list(self.feed[start : start + max(1, budget)])
         assert self.pending_token is not None
         return [self.pending_token]
 
-    def advance(self, fed: list[int], logits: torch.Tensor | None) -> None:
+    def preempt(self) -> None:
+        """The pool is short: give the pages back (after any restore into them is over: the caller checks
+        `restore_pending`) and feed everything again when the job runs next (its answer so far is sent;
+        the next token sampled stays pending)."""
+        self._pins.close()
+        self.feed = (
+            list(self.fed_ids) if self.pending_token is not None else list(self.job.request.prompt_ids)
+        )
+        self._replaying = self.pending_token is not None
+        self.fed_ids = []
+        self.match, self.restored = None, None
+        self.kv.release()
+        self.status = Status.PREFILLING
+
+    def advance(self, fed: list[int], logits: RowLogits | None) -> None:
         """The step fed `fed` (their KV is in self.kv); `logits` score the next token after them, given
         when the prompt is complete. Never raises: a failure ends this job only."""
         try:
             self.fed_ids.extend(fed)
+            if logits is not None and self._replaying:  # the pending token was sampled before
+                self._replaying = False
+                return
             if logits is None:
                 return
             if self.pending_token is None:
@@ -242,8 +269,8 @@ class JobState:
         except Exception as exc:
             self.fail(exc)
 
-    def _first_token(self, logits: torch.Tensor) -> None:
-        self._pins.close()  # the restored KV lives in the job's slot now
+    def _first_token(self, logits: RowLogits) -> None:
+        self._pins.close()  # the restored KV lives in the job's pages now
         token = self.sampler(logits)
         tiers = self._reused_by_tier()
         if self.realigned is not None and self.shift_stats is not None:
@@ -256,6 +283,7 @@ class JobState:
                 tiers=tiers,
                 at=time.monotonic(),
                 position_shift=self.realigned.shift if self.realigned else 0,
+                skipped_tokens=self.skipped,
             )
         )
         self.status = Status.DECODING
@@ -265,7 +293,7 @@ class JobState:
         """Reused tokens per tier, every tier named ({} on a miss); of a shifted restore, only the tokens
         the prompt uses."""
         if self.forked:
-            return {"l0": self.forked}  # from another job's slot, in the runner's device memory
+            return {"l0": self.forked}  # from another job's pages, in the runner's device memory
         if not (self.match and self.reused):
             return {}
         if self.realigned is not None:
@@ -299,7 +327,7 @@ class JobState:
     # -- end ------------------------------------------------------------------------------------------
 
     def fail(self, exc: BaseException, *, status: int = 500, code: str | None = None) -> None:
-        """End with an error; the slot is kept until a restore still writing into it is over."""
+        """End with an error; the pages are kept until a restore still writing into them is over."""
         log.error("job failed: %s", exc, exc_info=exc if status == 500 else None)
         self._pins.close()
         self.job.emit(Failed(f"local generation failed: {exc}", status=status, code=code))
@@ -323,9 +351,9 @@ class JobState:
         the client sees the end of the answer (its next turn finds the KV)."""
         keys: list[str] = []
         if self.restored is not None:
-            # The slot is reused once this returns: the restore must have stopped writing into it.
+            # The pages are reused once this returns: the restore must have stopped writing into them.
             while not self.restored.wait_ready(SETTLE_TIMEOUT_S):
-                log.warning("a restore has not settled in %.0f s; its slot waits for it", SETTLE_TIMEOUT_S)
+                log.warning("a restore has not settled in %.0f s; its pages wait for it", SETTLE_TIMEOUT_S)
             try:
                 self.restored.wait()
                 self.restored = None  # it ended on its first step while the store was still settling
@@ -352,7 +380,9 @@ class JobState:
             return []  # cancelled before computing anything: all it holds is stored already
         req = self.job.request
         try:
-            return self.store.put(req.namespace, self.fed_ids, self.kv.layers(), session=req.session)
+            return self.store.put(
+                req.namespace, self.fed_ids, blocks=self.kv.chunk_blocks(), session=req.session
+            )
         except Exception:  # saving is an optimisation: the answer stands without it
             log.exception("saving KV failed; the answer is unaffected")
             return []

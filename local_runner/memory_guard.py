@@ -13,7 +13,7 @@ from kvtier import KVStore, available_memory_bytes
 
 from .config import EngineConfig
 from .jobs import Job
-from .kv_slots import SlotPool
+from .kv_pages import PagePool
 
 log = logging.getLogger("attnstore.runner")
 MB = 1024 * 1024  # the log lines count in MB
@@ -23,7 +23,7 @@ class MemoryGuard:
     """Reads the engine's config and asks its pools and stores to give memory back; owns nothing that
     changes."""
 
-    def __init__(self, config: EngineConfig, pools: Mapping[str, SlotPool], stores: Mapping[str, KVStore]):
+    def __init__(self, config: EngineConfig, pools: Mapping[str, PagePool], stores: Mapping[str, KVStore]):
         self._config = config
         self._pools = pools
         self._stores = stores
@@ -43,7 +43,7 @@ class MemoryGuard:
             return None
         if self._config.evict_on_pressure:
             for pool in self._pools.values():
-                pool.give_back()  # pages of free KV slots, first (what they held is gone already)
+                pool.give_back()  # free KV pages' memory, first (what they held is gone already)
             freed = sum(store.shed_memory(short) for store in self._stores.values())
             log.warning(
                 "memory pressure: %d MB available, %d MB to keep free; dropped %d MB of stored KV from memory",

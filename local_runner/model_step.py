@@ -13,19 +13,23 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import exact_kernel
+from . import exact_kernel, triton_attention
 from .compiled import CompiledStack, first_line
+from .cuda_graphs import DecodeGraphs
+from .cuda_stack import CudaStack
 from .decoder import DecoderStack
 from .dense import is_rule, make_rows_invariant
 from .job_kv import JobKV
-from .kv_slots import SlotPool, cuda_capacity
+from .kv_pages import PagePool, cuda_pages
 from .loader import LoadedModel, on_passing_thread, pack_dense
 from .packed_attention import can_pack, use_packed_attention
+from .reuse_policy import MIN_MEASURED_TOKENS, PrefillRate
+from .sampling import RowLogits
 from .step import Work, run_packed, run_per_job
 
 log = logging.getLogger("attnstore.runner")
@@ -36,11 +40,17 @@ class ModelStep:
     lm: LoadedModel
     packed: bool  # every running job in one forward per step (else one forward per job)
     stack: DecoderStack | None  # the packed step's forward when the model has Llama's layers
-    pool: SlotPool
+    pool: PagePool
     batch_invariant: bool
     compile_wanted: bool  # compile the packed step after warm-up (falls back to eager, saying why)
     compiled: CompiledStack | None = None
     compile_status: str = "off"
+    cuda: CudaStack | None = None  # the packed step's forward on CUDA (cuda_stack.py)
+    graphs: DecodeGraphs | None = None  # its decode steps as CUDA graphs, once captured
+    graphs_status: str = "off"
+    context: int = 0  # the most tokens a job holds (the graphs' page tables are this wide)
+    max_running: int = 1
+    prefill_rate: PrefillRate = field(default_factory=PrefillRate)  # measured on the prompt steps
 
     @classmethod
     def prepare(
@@ -50,18 +60,33 @@ class ModelStep:
         slots: int,
         context: int,
         batch: bool,
-        batch_invariant: bool,
+        batch_invariant: bool | None,
         compile: bool,
         max_rows: int,
+        page_tokens: int = 256,
+        device_reserve_bytes: int = 0,
     ) -> ModelStep:
         """`batch=False`: one forward per job for this model (a benchmark's same-run baseline). `compile`:
         where the model allows, `warm_up` starts compiling the packed step on a thread of its own.
         `max_rows`: the most tokens one step feeds (batch_invariant measures the kernels up to it)."""
+        if batch_invariant is None:
+            batch_invariant = invariant_by_default(lm.device)
         packed = batch and _takes_packed_step(lm)
+        pool = _make_pool(
+            lm, slots, context, page_tokens, device_reserve_bytes + _activation_bytes(lm, max_rows)
+        )
+        if lm.device.type == "cuda" and packed:
+            cuda, why_not_cuda = _cuda_stack(lm, batch_invariant, context)
+            if cuda is not None:
+                step = cls(lm, packed, None, pool, batch_invariant, False, cuda=cuda)
+                step.context, step.max_running = context, slots
+                step.compile_status = "off (CUDA graphs replay the decode steps)"
+                return step
+            log.info("model %s: the CUDA step runs transformers' forward: %s", lm.name, why_not_cuda)
         has_stack = packed and DecoderStack.unfit(lm.model) is None
         why_not = _why_not_compiled(lm, has_stack, batch_invariant) if compile else "off"
         exact_cpu = batch_invariant and packed and lm.device.type == "cpu"
-        if exact_cpu:
+        if packed and lm.device.type == "cpu":
             exact_kernel.ensure_built()  # once per process (and once per machine: kept on disk)
         if why_not is not None:  # the eager dense path (before the stack: it calls the layers it finds)
             _pack(lm, exact=exact_cpu and exact_kernel.amx_linear_ready())
@@ -75,7 +100,7 @@ class ModelStep:
             and exact_kernel.ready(stack.head_dim)
         ):
             stack.use_fused_elementwise()
-        step = cls(lm, packed, stack, _make_pool(lm, slots, context), batch_invariant, why_not is None)
+        step = cls(lm, packed, stack, pool, batch_invariant, why_not is None)
         if why_not is None:
             step.compile_status = "compiling (the eager step serves meanwhile)"
         elif why_not != "off":
@@ -90,6 +115,8 @@ class ModelStep:
         thread of its own. Jobs run on the eager step meanwhile (its linear layers as loaded: slower,
         never waiting) and on the compiled one from the step after it is ready."""
         _each_step_kind(self.lm, run)
+        if self.cuda is not None:
+            self._capture_graphs()
         if self.compile_wanted and self.stack is not None:
             self.compile_wanted = False
             threading.Thread(
@@ -119,11 +146,48 @@ class ModelStep:
             self.compile_status = f"compiled in {time.perf_counter() - started:.1f} s"
             log.info("model %s: the packed step is %s", self.lm.name, self.compile_status)
 
+    def _capture_graphs(self) -> None:
+        """The decode steps' CUDA graphs, one per batch-size bucket up to max_running (on the worker's
+        thread, before the first job); a failure leaves the eager step serving, said once."""
+        assert self.cuda is not None
+        started = time.perf_counter()
+        try:
+            graphs = DecodeGraphs(self.cuda, self.pool, self.max_running, self.context)
+            graphs.capture()
+        except Exception as exc:
+            reason = first_line(exc)
+            log.warning(
+                "model %s: decode steps run eagerly: CUDA graph capture failed: %s", self.lm.name, reason
+            )
+            self.graphs_status = f"eager (capture failed: {reason})"
+            return
+        self.graphs = graphs
+        self.graphs_status = (
+            f"{len(graphs.buckets)} batch sizes up to {graphs.buckets[-1]}, captured in "
+            f"{time.perf_counter() - started:.1f} s"
+        )
+        log.info("model %s: decode steps replay CUDA graphs: %s", self.lm.name, self.graphs_status)
+
     @property
     def compiling(self) -> bool:
         return self.compile_status.startswith("compiling")
 
-    def forward(self, work: list[Work]) -> list[torch.Tensor | None]:
+    def forward(self, work: list[Work]) -> list[RowLogits | None]:
+        if self.graphs is not None and self.graphs.fits(work):
+            return self.graphs.run(work)
+        prompt = sum(len(w.tokens) for w in work if len(w.tokens) > 1)
+        if prompt < MIN_MEASURED_TOKENS:
+            return self._forward(work)
+        started = time.perf_counter()
+        result = self._forward(work)
+        if self.lm.device.type == "cuda":
+            torch.cuda.synchronize(self.lm.device)  # a long prompt step: its time is the device's
+        self.prefill_rate.observe(prompt, time.perf_counter() - started)
+        return result
+
+    def _forward(self, work: list[Work]) -> list[RowLogits | None]:
+        if self.cuda is not None:
+            return run_packed(self.lm, work, batch_invariant=self.batch_invariant, stack=self.cuda)
         if self.packed:
             stack = self.compiled or self.stack
             return run_packed(self.lm, work, batch_invariant=self.batch_invariant, stack=stack)
@@ -137,22 +201,57 @@ class ModelStep:
             "batched": self.packed,
             "batch_invariant": self.batch_invariant,
             "attention": _attention_kind(self),
-            "dense": self.lm.dense or "as loaded",
+            "dense": _dense_kind(self),
             "compiled": self.compile_status,
-            "kv_slots": self.pool.slots,
-            "context": self.pool.capacity,
+            "cuda_graphs": self.graphs_status,
+            "kv_pages": self.pool.pages,
+            "page_tokens": self.pool.page_tokens,
+            "kv_pool_tokens": self.pool.capacity,
         }
+
+
+# Whether `batch_invariant` is on by default on CUDA: where the GPU check measured the invariant step
+# within 15% of the fastest one (docs/benchmarks.md, "On a GPU"); off until then, and /healthz says so.
+CUDA_INVARIANT_BY_DEFAULT = False
+
+
+def invariant_by_default(device: torch.device) -> bool:
+    """batch_invariant's "auto": on a CPU (the exact kernels cost little there), on CUDA as measured."""
+    return device.type != "cuda" or CUDA_INVARIANT_BY_DEFAULT
 
 
 def _attention_kind(step: ModelStep) -> str:
     """Which attention the step runs (packed_attention.attend's choice)."""
     if not step.packed:
         return "transformers"
-    if not step.batch_invariant:
-        return "flash (rounding depends on the batch)"
+    head_dim = step.lm.layout.head_dim
     if step.lm.device.type == "cpu":
-        return exact_kernel.describe(step.lm.layout.head_dim)
-    return "exact (padded calls)"
+        if exact_kernel.ready(head_dim) or step.batch_invariant:
+            return exact_kernel.describe(head_dim)
+        return "sdpa per job (no kernel: rounding depends on the batch)"
+    if triton_attention.ready(head_dim):
+        return "paged (triton: a row's bits never depend on the batch)"
+    return "sdpa per job (no Triton)" if not step.batch_invariant else "exact (padded calls)"
+
+
+def _dense_kind(step: ModelStep) -> str:
+    if step.cuda is not None:
+        if step.cuda.invariant:
+            return "triton (one tile shape for every row count: batch-invariant)"
+        return "cuBLAS (its kernel, and rounding, depend on the row count)"
+    return step.lm.dense or "as loaded"
+
+
+def _cuda_stack(lm: LoadedModel, batch_invariant: bool, context: int) -> tuple[CudaStack | None, str]:
+    """The CUDA forward for this model, or why not (then transformers' forward runs the packed step)."""
+    if not triton_attention.available():
+        return None, "Triton is not installed"
+    if DecoderStack.unfit(lm.model) is not None:
+        return None, f"not a Llama-family decoder: {DecoderStack.unfit(lm.model)}"
+    why = CudaStack.unfit(lm.model)
+    if why is not None:
+        return None, why
+    return CudaStack(lm.model, invariant=batch_invariant, max_positions=context), ""
 
 
 def _why_not_compiled(lm: LoadedModel, has_stack: bool, batch_invariant: bool) -> str | None:
@@ -280,18 +379,33 @@ def _write_rows(path: Path, measured: dict[str, str]) -> None:
         log.warning("could not keep the rows measured in %s: %s", path, exc)
 
 
-def _make_pool(lm: LoadedModel, slots: int, context: int) -> SlotPool:
-    """The model's KV pool: a slot per running job, each with room for `context` tokens (on the CPU
-    pages are taken only as jobs write them; on CUDA the context a job may hold is cut to what half of
-    the free device memory can give every slot)."""
+def _make_pool(lm: LoadedModel, jobs: int, context: int, page_tokens: int, reserve_bytes: int) -> PagePool:
+    """The model's KV pool: pages enough for `jobs` jobs of `context` tokens each. On the CPU its memory
+    is taken only as jobs write it; on CUDA the pool is cut to what the device memory free now gives,
+    once `reserve_bytes` (the store's L0, the step's activations) are set aside, and a job's context is
+    then bounded by the pool (the scheduler preempts a job when the pool runs out)."""
+    per_job = -(-context // page_tokens)
+    pages = jobs * per_job
     if lm.device.type == "cuda":
-        fit = cuda_capacity(lm.layout, lm.device, slots, context)
-        if fit < context:
-            log.warning(
-                "model %s: %d KV slots of %d tokens fit the device; prompt + answer is limited to that",
+        fit = cuda_pages(lm.layout, lm.device, page_tokens, pages, reserve_bytes, share=0.9)
+        if fit < pages:
+            log.info(
+                "model %s: a KV pool of %d pages of %d tokens (%.1f GB) fits the device",
                 lm.name,
-                slots,
                 fit,
+                page_tokens,
+                fit * page_tokens * lm.layout.bytes_per_token / 1e9,
             )
-        context = fit
-    return SlotPool(lm.layout, lm.device, slots, context)
+        pages = fit
+    return PagePool(lm.layout, lm.device, pages, page_tokens)
+
+
+def _activation_bytes(lm: LoadedModel, max_rows: int) -> int:
+    """A bound on what one step's activations take on the device beyond the weights and the KV: the
+    widest intermediate (the fused gate/up product) and the logits of every row, in float32, twice."""
+    config = lm.model.config
+    widest = 2 * int(getattr(config, "intermediate_size", 0) or 0) + int(
+        getattr(config, "hidden_size", 0) or 0
+    )
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    return 2 * 4 * max_rows * (widest + vocab)

@@ -21,7 +21,7 @@ import torch
 
 from kvtier import PrefixMatch
 
-from .job_kv import KV, LayerSource
+from .job_kv import JobKV, LayerSource
 from .rope_shift import RopeShift
 
 
@@ -97,27 +97,38 @@ def used_tokens_by_tier(match: PrefixMatch, found: Realignment) -> dict[str, int
 
 
 class ShiftedKV(LayerSource):
-    """A restored previous sequence, each layer moved into place on first use (on the runner's thread,
-    once per layer): [keep, keep + n) <- [src, src + n), keys rotated by -shift."""
+    """A restored previous sequence in a job's pages, each layer moved into place on first use (on the
+    runner's thread, once per layer): [keep, keep + n) <- [src, src + n), keys rotated by -shift."""
 
-    def __init__(self, restored: LayerSource, found: Realignment, rope: RopeShift) -> None:
+    def __init__(self, restored: LayerSource, found: Realignment, rope: RopeShift, kv: JobKV) -> None:
         self._restored = restored
         self._found = found
         self._rope = rope
+        self._kv = kv
+        self._index: tuple[torch.Tensor, ...] | None = None
         self._done: set[int] = set()
         self._lock = threading.Lock()
 
-    def buffers(self, i: int) -> KV:
-        k, v = self._restored.buffers(i)
+    def _indices(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(page, offset) of the moved tokens where they are and where they go, made once."""
+        if self._index is None:
+            f = self._found
+            parts = (*self._kv.token_slots(f.src, f.source_end), *self._kv.token_slots(f.keep, f.reused))
+            self._index = tuple(torch.tensor(p, dtype=torch.long, device=device) for p in parts)
+        return self._index
+
+    def wait_layer(self, i: int) -> None:
+        self._restored.wait_layer(i)
         with self._lock:
             if i not in self._done:
-                f = self._found
+                k_pages, v_pages = self._kv.pool.layer(i)
+                src_pages, src_offsets, dst_pages, dst_offsets = self._indices(k_pages.device)
                 with torch.inference_mode():
-                    moved = self._rope.rotate(k[:, :, f.src : f.source_end], -f.shift)
-                    k[:, :, f.keep : f.reused] = moved
-                    v[:, :, f.keep : f.reused] = v[:, :, f.src : f.source_end].clone()
+                    moved = self._rope.rotate(k_pages[src_pages, :, src_offsets], -self._found.shift)
+                    values = v_pages[src_pages, :, src_offsets]  # a copy: the ranges may overlap
+                    k_pages[dst_pages, :, dst_offsets] = moved
+                    v_pages[dst_pages, :, dst_offsets] = values
                 self._done.add(i)
-        return k, v
 
 
 class ShiftStats:

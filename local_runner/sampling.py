@@ -15,7 +15,56 @@ import torch
 
 from engine_api.sampling import SamplingParams, TokenLogprob
 
-__all__ = ["Sampler", "SamplingParams", "TokenLogprob"]
+__all__ = ["RowLogits", "Sampler", "SamplingParams", "StepLogits", "TokenLogprob"]
+
+# The most alternatives a token's log-probabilities list (OpenAI's top_logprobs allows 0-20).
+MOST_ALTERNATIVES = 20
+
+
+class StepLogits:
+    """One step's logits ([rows, vocab], on the step's device) and what the step's greedy samplers need
+    of them, computed for every row at once at first need: the greedy token, and its log-probability with
+    the top alternatives. One transfer to the host per step instead of one (or several) per job; a row
+    is computed the same way alone or beside others (row-wise reductions only)."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+        self._greedy: list[int] | None = None
+        self._logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
+
+    def row(self, i: int) -> RowLogits:
+        return RowLogits(self, i)
+
+    def greedy(self, i: int) -> int:
+        if self._greedy is None:
+            self._greedy = self.logits.argmax(dim=-1).tolist()
+        return self._greedy[i]
+
+    def greedy_logprob(self, i: int, top: int) -> TokenLogprob:
+        """Row i's greedy token with its log-probability and `top` alternatives (the model's own)."""
+        if self._logprobs is None:
+            logp = torch.log_softmax(self.logits.float(), dim=-1)
+            greedy = self.logits.argmax(dim=-1, keepdim=True)
+            k = min(MOST_ALTERNATIVES, logp.shape[-1])
+            top_values, top_ids = torch.topk(logp, k, dim=-1)
+            self._logprobs = (logp.gather(1, greedy)[:, 0].tolist(), top_ids.tolist(), top_values.tolist())
+        chosen, ids, values = self._logprobs
+        alternatives = tuple(zip(ids[i][:top], values[i][:top], strict=True))
+        return TokenLogprob(self.greedy(i), chosen[i], alternatives)
+
+
+class RowLogits:
+    """One row of a StepLogits: what a job's sampler gets after a step."""
+
+    __slots__ = ("index", "step")
+
+    def __init__(self, step: StepLogits, index: int) -> None:
+        self.step = step
+        self.index = index
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.step.logits[self.index]
 
 
 class Sampler:
@@ -46,9 +95,15 @@ class Sampler:
         """The grammar is complete: nothing more may follow (the answer ends here)."""
         return self._matcher is not None and self._matcher.is_terminated()
 
+    @property
+    def _processes(self) -> bool:
+        """Whether any logits processor applies (bias, penalties, a grammar)."""
+        p = self.params
+        return bool(p.logit_bias or p.presence_penalty or p.frequency_penalty or self._matcher is not None)
+
     def _processed(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
-        if not (p.logit_bias or self._counts or self._matcher is not None):
+        if not (self._processes and (p.logit_bias or self._counts or self._matcher is not None)):
             return logits
         out = logits.float().clone()
         if p.logit_bias:
@@ -66,8 +121,19 @@ class Sampler:
             xgr.apply_token_bitmask_inplace(out.unsqueeze(0), self._bitmask)
         return out
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """`logits`: the last position's scores, shape [vocab]."""
+    def __call__(self, logits: torch.Tensor | RowLogits) -> int:
+        """`logits`: the last position's scores, shape [vocab] (or a row of a step's logits)."""
+        p = self.params
+        if isinstance(logits, RowLogits):
+            if p.temperature <= 0 and not self._processes:
+                token = logits.step.greedy(logits.index)  # the step's batched choice: no per-job transfer
+                if p.logprobs is not None:
+                    self.last = logits.step.greedy_logprob(logits.index, p.logprobs)
+                self._counts[token] += 1
+                return token
+            logits = logits.tensor
+        if logits.device.type != "cpu":
+            logits = logits.float().cpu()  # the processors, the sampling and the logprobs on the host
         token = self._choose(self._processed(logits))
         if self.params.logprobs is not None:
             self.last = _logprobs(logits, token, self.params.logprobs)

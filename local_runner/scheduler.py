@@ -1,17 +1,21 @@
 """The scheduler: who waits, who runs, and what each step feeds (nano-vllm's `Scheduler`, for this runner).
 
 It owns the waiting jobs (admission.py: per-client queues, round-robin), the running jobs' states and
-the KV slots they hold, and it plans each step:
+the KV pages they hold, and it plans each step:
 
-- `admit()`: the next jobs in the rotation that fit (a free slot of their model's pool, `max_running`,
-  and the KV budget); the worker starts them (lookup, restore).
+- `admit()`: the next jobs in the rotation that fit (pages of their model's pool for the whole prompt,
+  `max_running`, and the KV budget), each with those pages; the worker starts them (lookup, restore).
+  A job preempted earlier comes back first.
 - `plan()`: one step's work: one decode token for every decoding job, then prompt chunks of prefilling
   jobs under `max_batch_tokens` (chunked prefill). A job whose restore is still reading stays out
   (a step never waits on a disk) unless nothing else can run. With `batch_invariant`, a prompt's
   chunks are cut where the job alone would cut them (its own fixed chunk size, not what is left of a
   shared budget), so its KV and logits do not depend on the company it keeps.
 - `ended()`: jobs that ended in the last step (they leave `running`); the worker hands them to the
-  save hand-off, and `release()` gives their slots back once it is over.
+  save hand-off, and `release()` gives their pages back once it is over.
+- When a decoding job needs a page and the pool has none (a device pool, sized from memory), the
+  youngest other running job is preempted: its pages go back and it waits at the head of the queue
+  (job_state.JobState.preempt). A job that cannot grow with nothing left to preempt fails (503).
 
 Thread safety: `submit` and `drop_waiting` come from the event loop's threads, the stats readers
 (`counts`, `queue_depth`, `running_count`) from any thread; everything else runs on the worker's
@@ -31,9 +35,10 @@ from engine_api.turn import Failed, Finished
 
 from .admission import AdmissionQueue
 from .config import EngineConfig
+from .job_kv import JobKV
 from .job_state import JobState, Status
 from .jobs import Job
-from .kv_slots import SlotPool
+from .kv_pages import PagePool, PoolExhausted
 from .step import Work
 
 # The least a step gives prefill when decoding jobs use up the budget, so a new turn always advances.
@@ -52,9 +57,12 @@ class SchedulerCounts:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pools: Mapping[str, SlotPool]):
+    def __init__(self, config: EngineConfig, pools: Mapping[str, PagePool], *, batch_invariant: bool):
         self.config = config
         self.pools = dict(pools)
+        # Prompt chunks cut where a job alone would cut them (a step of any model is invariant); the
+        # config's batch_invariant may be "auto": each model step resolves it.
+        self.batch_invariant = batch_invariant
         # A prompt chunk's size with batch_invariant: the same whatever else runs.
         self.invariant_chunk = max(MIN_PREFILL_TOKENS, config.max_batch_tokens - config.max_running)
         # Shared state, all of it owned (written) by this scheduler only. `cond` guards the queue,
@@ -64,11 +72,13 @@ class Scheduler:
         self.cond = threading.Condition()
         self.queue = AdmissionQueue(config.max_queue, config.max_running)  # guarded by `cond`
         self.running: list[JobState] = []
+        self.preempted: list[JobState] = []  # worker's thread only: waiting to run again, oldest first
         self.starting = 0  # taken from the queue by admit(), not yet in `running`
         self.stopping = False
         self.admitted = 0  # jobs taken from the queue so far
         self.queue_wait_seconds = 0.0  # their time in the queue, summed
         self.cancelled = 0  # jobs stopped because their client went away
+        self.preemptions = 0  # jobs that gave their pages back for another's next token (worker's thread)
 
     # -- event loop side ------------------------------------------------------------------------------
 
@@ -140,15 +150,36 @@ class Scheduler:
     def wait_for_work(self) -> bool:
         """Block until there is something to do; False once the runner stops."""
         with self.cond:
-            while not self.stopping and not len(self.queue) and not self.running:
+            while not self.stopping and not len(self.queue) and not self.running and not self.preempted:
                 self.cond.wait()
             return not self.stopping
 
-    def admit(self) -> list[tuple[Job, SlotPool, int]]:
-        """The next waiting jobs that fit, each with the slot it now holds (round-robin between clients).
-        A job that does not fit (no slot of its model, or past the KV budget while others run) waits,
-        and so does everything behind it: admission order is the fairness."""
-        taken: list[tuple[Job, SlotPool, int]] = []
+    def resume_preempted(self) -> list[JobState]:
+        """Preempted jobs that fit again (pages for everything they will feed), oldest first; they are
+        running again when this returns."""
+        resumed: list[JobState] = []
+        computing = sum(1 for s in self.running if s.computing)
+        while self.preempted and computing < self.config.max_running:
+            state = self.preempted[0]
+            try:
+                state.kv.ensure(len(state.feed) + 1)
+            except PoolExhausted:
+                break
+            self.preempted.pop(0)
+            with self.cond:
+                self.running.append(state)
+            resumed.append(state)
+            computing += 1
+        return resumed
+
+    def admit(self) -> list[tuple[Job, JobKV]]:
+        """The next waiting jobs that fit, each with the pages it now holds for its prompt (round-robin
+        between clients). A job that does not fit (no pages for its prompt, `max_running`, or past the KV
+        budget while others run) waits, and so does everything behind it: admission order is the
+        fairness. Preempted jobs run again first."""
+        taken: list[tuple[Job, JobKV]] = []
+        if self.preempted:
+            return taken
         reserved = sum(s.job.kv_bytes for s in self.running if s.computing)
         computing = sum(1 for s in self.running if s.computing)
         with self.cond:
@@ -159,16 +190,17 @@ class Scheduler:
                 budget = self.config.kv_budget_bytes
                 if budget and (computing or taken) and reserved + need > budget:
                     break
-                pool = self.pools[job.request.model]
-                slot = pool.acquire()
-                if slot is None:
-                    break  # its model's slots are all held (some by jobs still saving)
+                kv = JobKV(self.pools[job.request.model])
+                try:
+                    kv.ensure(len(job.request.prompt_ids) + 1)
+                except PoolExhausted:
+                    break  # its model's pages are all held (some by jobs still saving)
                 self.queue.pop()
-                taken.append((job, pool, slot))
+                taken.append((job, kv))
                 reserved += need
             self.starting = len(taken)
             now = time.monotonic()
-            for job, _, _ in taken:
+            for job, _ in taken:
                 self.admitted += 1
                 self.queue_wait_seconds += now - job.submitted_at
         return taken
@@ -196,20 +228,53 @@ class Scheduler:
                 return []
             ready = live[:1]  # nothing else to run: this one computes while its layers load
         plan: list[tuple[JobState, Work]] = []
-        decoding = [s for s in ready if not s.prefilling]
+        decoding = [s for s in ready if not s.prefilling and self._grow(s)]
+        decoding = [s for s in decoding if s.computing and not s.prefilling]  # none preempted meanwhile
         for s in decoding:
             plan.append((s, Work(s.kv, s.next_tokens(1), want_logits=True)))
         budget = max(self.config.max_batch_tokens - len(decoding), MIN_PREFILL_TOKENS)
         for s in ready:
             if budget <= 0:
                 break
-            if s.prefilling:
-                want = self.invariant_chunk if self.config.batch_invariant else budget
+            if s.prefilling and s.computing and s.kv.pages:  # not preempted (nor failed) just now
+                want = self.invariant_chunk if self.batch_invariant else budget
                 tokens = s.next_tokens(want)
-                done = len(s.fed_ids) + len(tokens) >= len(s.job.request.prompt_ids)
+                done = len(s.fed_ids) + len(tokens) >= len(s.feed)
                 plan.append((s, Work(s.kv, tokens, want_logits=done)))
                 budget -= len(tokens)
         return plan
+
+    def _grow(self, state: JobState) -> bool:
+        """A page for a decoding job's next token, preempting the youngest other running job while the
+        pool has none. False: the job did not get one (it ended, or it was preempted itself)."""
+        while True:
+            try:
+                state.kv.ensure(state.kv.length + 1)
+                return True
+            except PoolExhausted:
+                victim = next(
+                    (
+                        s
+                        for s in reversed(self.running)
+                        if s is not state and s.computing and not s.restore_pending and s.kv.pages
+                    ),
+                    None,
+                )
+                if victim is None:
+                    state.fail(
+                        MemoryError("the KV pool has no room for this answer's next token"),
+                        status=503,
+                        code="memory_pressure",
+                    )
+                    return False
+                self._preempt(victim)
+
+    def _preempt(self, state: JobState) -> None:
+        self.preemptions += 1
+        state.preempt()
+        with self.cond:
+            self.running.remove(state)
+        self.preempted.append(state)
 
     def end_cancelled(self) -> None:
         """Running jobs whose client went away end now (and are counted, under the lock)."""
@@ -226,8 +291,8 @@ class Scheduler:
             return done
 
     def release(self, state: JobState) -> None:
-        """The save hand-off is over: the slot goes back to the pool and the worker may admit again."""
-        state.pool.release(state.slot)
+        """The save hand-off is over: the pages go back to the pool and the worker may admit again."""
+        state.kv.release()
         with self.cond:
             self.cond.notify_all()
 
@@ -235,7 +300,9 @@ class Scheduler:
         """No more work: every job not ended (waiting or running) is returned to be failed."""
         with self.cond:
             self.stopping = True
-            jobs = [s.job for s in self.running if s.computing] + self.queue.drain()
+            jobs = [s.job for s in self.running if s.computing] + [s.job for s in self.preempted]
+            jobs += self.queue.drain()
+            self.preempted = []
             self.cond.notify_all()
             return jobs
 

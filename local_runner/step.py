@@ -15,6 +15,7 @@ from .job_kv import JobKV
 from .kv_cache import job_cache
 from .loader import LoadedModel
 from .packed_attention import PLAN_KWARG, PackedPlan, Segment
+from .sampling import RowLogits, StepLogits
 
 
 class PackedForward(Protocol):
@@ -37,19 +38,20 @@ class Work:
 @torch.inference_mode()
 def run_packed(
     lm: LoadedModel, work: list[Work], *, batch_invariant: bool = False, stack: PackedForward | None = None
-) -> list[torch.Tensor | None]:
+) -> list[RowLogits | None]:
     """All jobs' new tokens as one sequence, each at its own positions; decoding jobs attend in one
     batched call per layer (or each alone with `batch_invariant`), see packed_attention. With `stack`
     the forward is decoder.py's loop over the model's modules, else the transformers forward."""
-    # Decoding jobs first, in slot order, then prompt chunks: the batched attention call then reads the
-    # decoding jobs' queries and writes their results in place (packed_attention's fast path).
-    order = sorted(range(len(work)), key=lambda i: (len(work[i].tokens) > 1, work[i].kv.slot))
+    # Decoding jobs first, oldest first, then prompt chunks: a decode-only step's layout then depends on
+    # its jobs alone (the CUDA step replays one graph per batch size for it).
+    order = sorted(range(len(work)), key=lambda i: (len(work[i].tokens) > 1, work[i].kv.id))
     ids: list[int] = []
     positions: list[int] = []
     segments: list[Segment] = []
     keep: list[int] = []
     for w in (work[i] for i in order):
         n = len(w.tokens)
+        w.kv.ensure(w.kv.length + n)  # pages for the new tokens (kv_pages.PoolExhausted when short)
         segments.append(Segment(w.kv, len(ids), n))
         positions.extend(range(w.kv.length, w.kv.length + n))
         ids.extend(w.tokens)
@@ -71,21 +73,22 @@ def run_packed(
             **{PLAN_KWARG: plan},
         )
         logits = out.logits[0]
-    result: list[torch.Tensor | None] = [None] * len(work)
+    step_logits = StepLogits(logits)
+    result: list[RowLogits | None] = [None] * len(work)
     row = 0
     for i in order:
         w = work[i]
         w.kv.length += len(w.tokens)
         if w.want_logits:
-            result[i] = logits[row]
+            result[i] = step_logits.row(row)
             row += 1
     return result
 
 
 @torch.inference_mode()
-def run_per_job(lm: LoadedModel, work: list[Work]) -> list[torch.Tensor | None]:
+def run_per_job(lm: LoadedModel, work: list[Work]) -> list[RowLogits | None]:
     """One forward per job through a transformers cache over its buffers (any causal LM)."""
-    result: list[torch.Tensor | None] = []
+    result: list[RowLogits | None] = []
     for w in work:
         out = lm.model(
             input_ids=torch.tensor([w.tokens], dtype=torch.long, device=lm.device),
@@ -94,5 +97,5 @@ def run_per_job(lm: LoadedModel, work: list[Work]) -> list[torch.Tensor | None]:
             logits_to_keep=1,
         )
         w.kv.length += len(w.tokens)
-        result.append(out.logits[0, -1] if w.want_logits else None)
+        result.append(StepLogits(out.logits[0, -1:]).row(0) if w.want_logits else None)
     return result

@@ -15,13 +15,14 @@ from kvtier import KVLoadError
 from .job_state import JobState
 from .memory_guard import MemoryGuard
 from .model_step import ModelStep
+from .sampling import RowLogits
 from .step import Work
 
 log = logging.getLogger("attnstore.runner")
 
 # One job's work in a step, as the scheduler plans it; and what its forward fed and the logits it gave.
 StepItem = tuple[JobState, Work]
-Result = tuple[JobState, list[int], torch.Tensor | None]
+Result = tuple[JobState, list[int], RowLogits | None]
 
 
 class StepRun:

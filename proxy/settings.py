@@ -35,6 +35,11 @@ DEFAULT_ENGINE = "embedded"  # local_runner.engine when the file does not say
 ENGINE_ALIASES = {"transformers": "embedded"}
 
 
+# A KV chunk fills one page of the embedded engine's pool (local_runner/kv_pages.py, PAGE_MULTIPLE; kept
+# here so that reading settings imports no torch).
+PAGE_MULTIPLE = 16
+
+
 class SettingsError(ValueError):
     """A settings file that cannot start the proxy; the message is the one line shown to the user."""
 
@@ -157,11 +162,12 @@ class EmbeddedRunnerSettings(RunnerSettings, tag=DEFAULT_ENGINE):
     """`local_runner` for the embedded engine (`local_runner/`: the models run in this process)."""
 
     # A job's tokens do not depend on which other jobs share its steps, and reused KV equals a recompute
-    # bit for bit, in every dtype (docs/engine.md, "Batch invariance"): attention in whole key blocks
-    # (local_runner/exact_attention.py) and linear kernels measured row-invariant at start. On by
-    # default; false gives torch's flash attention, whose rounding depends on the batch (kept to
-    # measure against, and for `compile`).
-    batch_invariant: bool = True
+    # bit for bit, in every dtype (docs/engine.md, "Batch invariance"): on a CPU the exact kernels and
+    # linear layers measured row-invariant at start; on CUDA Triton kernels of one tile shape for every
+    # batch. "auto": on where it was measured to cost little (the CPU; CUDA per
+    # local_runner/model_step.py's CUDA_INVARIANT_BY_DEFAULT); false: kernels whose rounding depends on
+    # the batch (cuBLAS on CUDA; on a CPU oneDNN's, and allows `compile`).
+    batch_invariant: Literal["auto"] | bool = "auto"
     # Compile the packed step (torch.compile with inductor) when the engine starts, on a thread of its own
     # (turns run uncompiled meanwhile, and round differently from the compiled step; what it costs:
     # docs/benchmarks.md, "What a start costs"). Only with batch_invariant false: the compiled step's
@@ -263,10 +269,15 @@ def _check_values(s: Settings, base_dir: Path, check_paths: bool) -> None:
         raise SettingsError(f"local_runner.device: {lr.device!r} is not one of auto, cpu, cuda, cuda:N")
     if lr.enabled and not lr.models:
         raise SettingsError("local_runner.models: empty, but local_runner.enabled is true")
-    if isinstance(lr, EmbeddedRunnerSettings) and lr.compile and lr.batch_invariant:
+    if isinstance(lr, EmbeddedRunnerSettings) and lr.compile and lr.batch_invariant is not False:
         raise SettingsError(
             "local_runner.compile: true needs batch_invariant: false (the compiled step's products round "
             "by the row count, so answers would depend on the load)"
+        )
+    if isinstance(lr, EmbeddedRunnerSettings) and lr.kv_chunk_tokens % PAGE_MULTIPLE:
+        raise SettingsError(
+            f"local_runner.kv_chunk_tokens: {lr.kv_chunk_tokens} is not a multiple of {PAGE_MULTIPLE} (a chunk "
+            "fills one page of the engine's KV pool, whose kernels read keys in blocks of 16)"
         )
     for name, source in lr.models.items():
         if not name or not source:

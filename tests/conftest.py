@@ -16,19 +16,28 @@ Every test that uses the real model (the `smollm` or `load_smollm` fixture, dire
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
+import os
 
-import orjson
-import pytest
+import torch
 
-from proxy.http.app import build_app, build_full_app
-from proxy.settings import Settings, parse_settings
-from tests.model_fixture import MODEL, load_smollm, smollm  # noqa: F401 - the real model, once per session
-from tests.servers import AppServer
-from tests.support.fake_upstream import FakeUpstream
-from tests.support.redis_server import REDIS_SERVER, RedisServer
+# Triton's kernels (local_runner/triton_attention.py, triton_ops.py) run in its interpreter where there is
+# no GPU: the variable must be set before Triton is first imported (torch does not import it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from collections.abc import Callable, Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import orjson  # noqa: E402
+import pytest  # noqa: E402
+
+from proxy.http.app import build_app, build_full_app  # noqa: E402
+from proxy.settings import Settings, parse_settings  # noqa: E402
+from tests.model_fixture import MODEL, load_smollm, smollm  # noqa: F401, E402 - the real model, once per session
+from tests.servers import AppServer  # noqa: E402
+from tests.support.fake_upstream import FakeUpstream  # noqa: E402
+from tests.support.redis_server import REDIS_SERVER, RedisServer  # noqa: E402
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -105,7 +105,10 @@ def test_a_prompt_prefilled_in_chunks_of_any_size_gives_bit_identical_kv(models,
             part = ids[first : first + chunk]
             work = [Work(kv, part, first + chunk >= len(ids)), Work(other, [ids[first % 100]], True)]
             logits = run_packed(lm, work, stack=stack, batch_invariant=True)[0]
-        results.append((logits, [(k[..., :600, :].clone(), v[..., :600, :].clone()) for k, v in kv.layers()]))
+        assert logits is not None
+        results.append(
+            (logits.tensor, [(k[..., :600, :].clone(), v[..., :600, :].clone()) for k, v in kv.layers()])
+        )
     for logits, layers in results[1:]:
         assert torch.equal(logits, results[0][0])
         for (ka, va), (kb, vb) in zip(layers, results[0][1], strict=True):
@@ -129,10 +132,10 @@ def test_with_batch_invariant_stored_kv_equals_a_recompute_bit_for_bit(models, d
     stack = DecoderStack(lm.model)
     ids = lm.tokenizer(" ".join(QUESTIONS))["input_ids"][:40]
     recompute, turn = (JobKV.standalone(lm.layout, lm.device, 64) for _ in range(2))
-    whole = run_packed(lm, [Work(recompute, ids, True)], stack=stack, batch_invariant=True)[0]
+    whole = run_packed(lm, [Work(recompute, ids, True)], stack=stack, batch_invariant=True)[0].tensor
     run_packed(lm, [Work(turn, ids[:12], False)], stack=stack, batch_invariant=True)
     for token in ids[12:]:
-        last = run_packed(lm, [Work(turn, [token], True)], stack=stack, batch_invariant=True)[0]
+        last = run_packed(lm, [Work(turn, [token], True)], stack=stack, batch_invariant=True)[0].tensor
     assert torch.equal(whole, last)
     for (ka, va), (kb, vb) in zip(recompute.layers(), turn.layers(), strict=True):
         assert torch.equal(ka[..., :40, :], kb[..., :40, :]) and torch.equal(va[..., :40, :], vb[..., :40, :])

@@ -89,6 +89,27 @@ def test_exact_attention_is_attention():
     assert padded_keys(1) == 64 and padded_keys(64) == 64 and padded_keys(65) == 128
 
 
+PAGE = 256
+
+
+def paged(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slot pools as the engine's pages: each slot's keys cut into pages of PAGE tokens, the pages
+    shuffled and laid out as one pool's layer ([pages, kv_heads, PAGE, dim] views of K and V, K and V of
+    a page side by side, as kv_pages.py lays them out); the page table of each slot."""
+    slots, per = k.shape[0], CAPACITY // PAGE
+    order = torch.randperm(slots * per, generator=torch.Generator().manual_seed(3))
+    both = torch.stack((k, v), dim=1)  # [slots, 2, kv_heads, CAPACITY, dim]
+    pages = (
+        both.view(slots, 2, KV_HEADS, per, PAGE, DIM)
+        .permute(0, 3, 1, 2, 4, 5)
+        .reshape(-1, 2, KV_HEADS, PAGE, DIM)
+    )
+    pool = torch.empty_like(pages)
+    pool[order] = pages  # page i of the slots' run lands at pool[order[i]]
+    tables = order.view(slots, per)
+    return pool[:, 0], pool[:, 1], tables
+
+
 @pytest.fixture(scope="module")
 def kernel():
     """The C++ kernel, built as the runner builds it (under var/models: once per machine)."""
@@ -102,25 +123,28 @@ def kernel():
 def test_the_kernel_computes_every_row_as_alone(kernel, dtype):
     """One call for a whole step: a prompt chunk of slot 0 and decoding rows of other slots; each row
     equals the row computed alone, and a chunk split differently gives the same rows."""
-    k, v = pool(dtype)
+    k, v, tables = paged(*pool(dtype))
     q = queries(300, dtype)
     slots = torch.tensor([0] * 290 + [1, 2, 3, 4, 5, 1, 2, 3, 4, 5])
     lengths = torch.tensor([600 + i + 1 for i in range(290)] + [1, 17, 64, 65, 900, 2, 3, 1000, 129, 8])
-    step = kernel.attend(q, k, v, slots, lengths, SCALE)
+    step = kernel.attend(q, k, v, tables, slots, lengths, SCALE)
     for r in (0, 1, 100, 289, 290, 293, 294, 297, 299):
-        alone = kernel.attend(q[r : r + 1], k, v, slots[r : r + 1], lengths[r : r + 1], SCALE)
+        alone = kernel.attend(q[r : r + 1], k, v, tables, slots[r : r + 1], lengths[r : r + 1], SCALE)
         assert torch.equal(step[r : r + 1], alone), r
     halves = torch.cat(
-        [kernel.attend(q[a:b], k, v, slots[a:b], lengths[a:b], SCALE) for a, b in ((0, 7), (7, 300))]
+        [kernel.attend(q[a:b], k, v, tables, slots[a:b], lengths[a:b], SCALE) for a, b in ((0, 7), (7, 300))]
     )
     assert torch.equal(halves, step)
 
 
-def test_the_kernel_is_attention(kernel):
+@pytest.mark.parametrize("past", [90, 300, 700])  # within the first page, and across pages
+def test_the_kernel_is_attention_through_the_page_tables(kernel, past):
     k, v = pool(torch.float32)
+    k_pages, v_pages, tables = paged(k, v)
     q = queries(40, torch.float32)
-    past = 90
-    got = kernel.attend(q, k, v, torch.full((40,), 2), torch.arange(past + 1, past + 41), SCALE)
+    got = kernel.attend(
+        q, k_pages, v_pages, tables, torch.full((40,), 2), torch.arange(past + 1, past + 41), SCALE
+    )
     torch.testing.assert_close(got, torch_attention(q, k, v, 2, past), rtol=1e-5, atol=1e-5)
 
 
@@ -308,7 +332,9 @@ def test_the_decoder_stack_on_the_fused_operators_computes_what_it_does_on_torch
         second = run_packed(
             lm, [Work(a, [40], want_logits=True), Work(b, [7, 8, 9], want_logits=True)], stack=stack
         )
-        results.append((first + second, [t for kv in (a, b) for pair in kv.layers() for t in pair]))
+        results.append(
+            ([r.tensor for r in first + second], [t for kv in (a, b) for pair in kv.layers() for t in pair])
+        )
     (logits, kv), (ref_logits, ref_kv) = results
     for x, y in zip(logits + kv, ref_logits + ref_kv, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
@@ -351,3 +377,21 @@ def test_the_rows_measured_are_kept_per_machine_and_a_corrupt_file_is_measured_a
     assert start() == 0  # nothing measured: the kept file says it all
     path.write_text('{"RowCountDependent:64x80:nobias": "one"')
     assert start() > 0 and json.loads(path.read_text()) == kept
+
+
+def test_a_build_lock_left_by_a_killed_builder_does_not_stop_the_next_start(kernel):
+    """A start killed while it built the kernel leaves cpp_extension's `lock` file behind; the next start
+    (a process of its own: a library is loaded once per process) builds or loads anyway instead of
+    waiting for it forever."""
+    import subprocess
+    import sys
+
+    folder = kernel.machine_folder()
+    (folder / "lock").touch()
+    code = (
+        "import sys; from pathlib import Path; from local_runner import exact_kernel; "
+        f"sys.exit(0 if exact_kernel.build(Path({str(REPO / 'var' / 'models')!r})) is None else 1)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (folder / "lock").exists()

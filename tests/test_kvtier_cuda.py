@@ -20,9 +20,15 @@ def test_device_memory_is_not_asked_of_a_cpu_device():
 
 def _put_from_a_busy_stream(store, layers) -> None:
     """Store `layers` from a side stream whose earlier work is still running: the chunks' copies into
-    L0 are queued behind it, so their bytes arrive well after put() returns."""
+    L0 are queued behind it, so their bytes arrive well after put() returns. A first put of the same
+    size (then forgotten) leaves the allocator blocks for that stream, as a running server has: an
+    allocation that must ask the driver for memory may wait for the device."""
     side = torch.cuda.Stream()
     device_layers = [(k.cuda(), v.cuda()) for k, v in layers]
+    with torch.cuda.stream(side):
+        store.put("warm", toks(2 * CHUNK, base=10_000), device_layers)
+    store.flush()
+    store.forget_namespace("warm")
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
         torch.cuda._sleep(BUSY_CYCLES)
@@ -95,3 +101,44 @@ def test_device_memory_falls_by_what_is_held():
     del held
     freed = available_device_memory_bytes(device)
     assert freed is not None and freed - after >= 0.9 * (256 << 20)  # the allocator's cache counts as free
+
+
+def _pages(layers, n_pages: int) -> torch.Tensor:
+    """`layers` laid out as a page pool's pages ([layers, pages, 2, heads, CHUNK, dim]) on CUDA."""
+    k = torch.stack([k[0] for k, _ in layers])  # [layers, heads, tokens, dim]
+    v = torch.stack([v[0] for _, v in layers])
+    both = torch.stack((k, v), dim=1)  # [layers, 2, heads, tokens, dim]
+    n_layers, _, heads, _, dim = both.shape
+    pages = both.view(n_layers, 2, heads, n_pages, CHUNK, dim).permute(0, 3, 1, 2, 4, 5)
+    return pages.contiguous().cuda()
+
+
+@cuda
+@pytest.mark.parametrize("tiers", ["l0 only", "l1 of 0", "l1 only"])
+def test_a_put_of_pages_never_waits_for_the_compute_and_restores_into_pages(tmp_path, tiers):
+    """The engine's save (pages as chunk blocks) from a stream still busy computing returns before that
+    compute is done, whatever the tiers (L1 of 0: the disk's copy is staged on a side stream); the KV
+    then restores into another pool's pages bit for bit."""
+    from kvtier import PagedTarget
+
+    l0, l1 = {"l0 only": (8 * CB, 0), "l1 of 0": (1 * CB, 0), "l1 only": (0, 8 * CB)}[tiers]
+    store = make(tmp_path, l0=l0, l1=l1, l2=8 * CB, device="cuda", async_save=True)
+    layers = kv(2 * CHUNK, seed=21)
+    src = _pages(layers, 2)
+    blocks = [src[:, p] for p in range(2)]
+    store.put("warm", toks(2 * CHUNK, base=10_000), blocks=blocks)  # the allocator's blocks, as in a server
+    store.flush()
+    store.forget_namespace("warm")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(BUSY_CYCLES)
+    store.put("t", toks(2 * CHUNK), blocks=blocks)
+    assert not torch.cuda.current_stream().query()  # put returned while the compute before it still ran
+    store.flush()
+    store.wait_copies()
+    dst = torch.zeros_like(src)
+    match = store.lookup("t", toks(2 * CHUNK))
+    assert match.tokens >= 2 * CHUNK - 1
+    store.load(match, out=PagedTarget(dst, (1, 0))).wait()  # chunk 0 into page 1, chunk 1 into page 0
+    n = match.tokens - CHUNK
+    assert torch.equal(dst[:, 1], src[:, 0]) and torch.equal(dst[:, 0, :, :, :n], src[:, 1, :, :, :n])
+    store.close()

@@ -193,8 +193,10 @@ def test_healthz_names_each_local_models_device_dtype_and_batching(local_proxy):
         "batch_invariant": True,  # the default: reuse and batching never change an answer
         "attention": "exact (kernel)",  # built with the machine's C++ compiler (exact_kernel.py)
         "compiled": "off",  # the default (tests/test_compiled_step.py turns it on)
-        "kv_slots": 16,
-        "context": 8192,
+        "cuda_graphs": "off",  # CUDA only
+        "kv_pages": 16 * 8192 // 256,  # max_running whole contexts (address space: taken as written)
+        "page_tokens": 256,  # the store's chunk
+        "kv_pool_tokens": 16 * 8192,
     }
 
 

@@ -53,14 +53,14 @@ def lm(model):
 def greedy_alone(lm, prompt_ids: list[int], n: int) -> list[int]:
     """Reference: the job alone, one plain transformers forward per token, no store."""
     kv = JobKV.standalone(lm.layout, lm.device, len(prompt_ids) + n)
-    logits = run_per_job(lm, [Work(kv, list(prompt_ids), want_logits=True)])[0]
+    logits = run_per_job(lm, [Work(kv, list(prompt_ids), want_logits=True)])[0].tensor
     out: list[int] = []
     for _ in range(n):
         token = int(torch.argmax(logits))
         if token in lm.eos_token_ids:
             break
         out.append(token)
-        logits = run_per_job(lm, [Work(kv, [token], want_logits=True)])[0]
+        logits = run_per_job(lm, [Work(kv, [token], want_logits=True)])[0].tensor
     return out
 
 
@@ -230,3 +230,32 @@ async def test_cancelling_frees_the_slot_for_a_queued_job(lm):
         engine.close()
     assert isinstance(rest[-1], Finished) and rest[-1].finish_reason == "cancelled"
     assert isinstance(done.end, Finished) and done.end.finish_reason in ("length", "stop")
+
+
+async def test_jobs_preempted_when_the_pool_runs_out_still_answer_as_alone(lm, monkeypatch):
+    """A pool of 8 pages of 16 tokens for three jobs that each grow to 4 pages: when a decoding job finds
+    no free page, the youngest other job gives its pages back and waits; run again, it feeds its prompt
+    and its answer so far, then decodes on. Every answer equals the job's alone, token for token."""
+    from local_runner import model_step
+    from local_runner.kv_pages import PagePool
+
+    monkeypatch.setattr(
+        model_step,
+        "_make_pool",
+        lambda lm, jobs, context, page_tokens, reserve: PagePool(lm.layout, lm.device, 8, 16),
+    )
+    prompts = [ids_of(lm, PROMPTS[i] * 2)[:20] for i in (1, 3, 7)]
+    n = 40
+    expected = [greedy_alone(lm, p, n) for p in prompts]
+    assert sum(len(p) + len(e) for p, e in zip(prompts, expected, strict=True)) > 8 * 16  # more than the pool
+    engine = EmbeddedEngine({"tiny": lm}, config=engine_config(max_running=3, max_queue=4)).start()
+    try:
+        results = await asyncio.gather(*(drain(submit(engine, "tiny", p, n)) for p in prompts))
+        preempted = engine.scheduler.preemptions
+    finally:
+        engine.close()
+    assert preempted >= 1  # the pool did run out
+    for got, want, prompt in zip(results, expected, prompts, strict=True):
+        assert isinstance(got.end, Finished) and got.end.completion_tokens == len(want)
+        assert got.text == lm.tokenizer.decode(want, skip_special_tokens=True)
+        assert got.end.prompt_tokens == len(prompt)

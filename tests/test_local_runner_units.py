@@ -11,7 +11,7 @@ import torch
 from engine_api.prompt import fit_history, render_prompt
 from engine_api.tokenizers import ThreadTokenizers
 from local_runner.job_kv import JobKV
-from local_runner.kv_slots import SlotPool
+from local_runner.kv_pages import PagePool, PoolExhausted
 from local_runner.loader import pick_dtype
 from local_runner.packed_attention import can_pack
 from local_runner.step import Work, run_packed, run_per_job
@@ -29,18 +29,23 @@ def tiny():
 
 
 def _kv(lm, capacity=64):
-    return JobKV.standalone(lm.layout, lm.device, capacity)
+    return JobKV.standalone(lm.layout, lm.device, capacity, page_tokens=64)
 
 
 def _shared(lm, n, capacity=64):
-    """n jobs' KV in one pool (as the runner holds them): their decode tokens attend in one call."""
-    pool = SlotPool(lm.layout, lm.device, n + 2, capacity)
-    return [JobKV(pool, pool.acquire()) for _ in range(n)]
+    """n jobs' KV in one pool of 64-token pages (as the engine holds them), the pages interleaved between
+    the jobs: their tokens attend in one call."""
+    pool = PagePool(lm.layout, lm.device, n * (capacity // 64 + 1), 64)
+    kvs = [JobKV(pool) for _ in range(n)]
+    for _ in range(capacity // 64):
+        for kv in kvs:
+            kv.ensure(kv.capacity + 1)
+    return kvs
 
 
 def _feed_alone(lm, kv, tokens):
     """Reference: one job alone through transformers' own cache path (plain SDPA attention)."""
-    return run_per_job(lm, [Work(kv, tokens, want_logits=True)])[0]
+    return run_per_job(lm, [Work(kv, tokens, want_logits=True)])[0].tensor
 
 
 def test_packed_step_equals_each_job_alone(tiny):
@@ -59,7 +64,7 @@ def test_packed_step_equals_each_job_alone(tiny):
     for kv_b, kv_a, toks, logits in zip(batched, alone, new, out, strict=True):
         ref = _feed_alone(tiny, kv_a, toks)
         assert logits is not None
-        assert torch.allclose(logits, ref, atol=1e-4), (logits - ref).abs().max()
+        assert torch.allclose(logits.tensor, ref, atol=1e-4), (logits.tensor - ref).abs().max()
         assert kv_b.length == kv_a.length
         for (kb, vb), (ka, va) in zip(kv_b.layers(), kv_a.layers(), strict=True):
             assert torch.allclose(kb, ka, atol=1e-5) and torch.allclose(vb, va, atol=1e-5)
@@ -68,7 +73,7 @@ def test_packed_step_equals_each_job_alone(tiny):
 def test_packed_step_keeps_only_the_logits_asked_for(tiny):
     a, b = _kv(tiny), _kv(tiny)
     out = run_packed(tiny, [Work(a, [3, 4, 5], want_logits=False), Work(b, [6], want_logits=True)])
-    assert out[0] is None and out[1] is not None and out[1].shape == (tiny.model.config.vocab_size,)
+    assert out[0] is None and out[1] is not None and out[1].tensor.shape == (tiny.model.config.vocab_size,)
     assert (a.length, b.length) == (3, 1)
 
 
@@ -97,7 +102,9 @@ def _stack_and_reference_steps(lm, stack, reference_lm):
             [Work(a, [40], want_logits=True), Work(b, [7, 8, 9], want_logits=True)],
             stack=with_stack,
         )
-        out.append((first + second, [t for kv in (a, b) for pair in kv.layers() for t in pair]))
+        out.append(
+            ([r.tensor for r in first + second], [t for kv in (a, b) for pair in kv.layers() for t in pair])
+        )
     return out
 
 
@@ -153,29 +160,34 @@ def test_a_model_without_llamas_layer_is_said_unfit_for_the_decoder_stack():
     assert "mlp.gate_proj" in (DecoderStack.unfit(model) or "")
 
 
-def test_job_kv_writes_into_its_own_slot_only_and_crops():
+def test_job_kv_writes_into_its_own_pages_only_grows_and_crops():
     lm = tiny_loaded()
-    pool = SlotPool(lm.layout, lm.device, 3, 8)
-    assert pool.capacity == 64  # whole key blocks: exact attention reads a row's keys in blocks of 64
-    kv = JobKV(pool, pool.acquire())
-    neighbour = JobKV(pool, pool.acquire())
-    assert (kv.slot, neighbour.slot) == (0, 1)
+    pool = PagePool(lm.layout, lm.device, 3, 64)
+    kv, neighbour = JobKV(pool), JobKV(pool)
+    kv.ensure(3)
+    neighbour.ensure(1)
+    assert (kv.pages, neighbour.pages) == ([0], [1])  # the lowest free page first
     d = lm.layout.head_dim
     k = torch.arange(2 * 3 * d, dtype=torch.float32).reshape(1, 2, 3, d)
     for i in range(kv.num_layers):
         kv.write(i, k, k + 1)
     kv.length = 3
-    keys, values = kv.write(0, torch.full((1, 2, 5, d), 7.0), torch.full((1, 2, 5, d), 8.0))
-    assert keys.shape[-2] == 8 and torch.equal(keys[:, :, :3], k) and torch.all(values[:, :, 3:] == 8.0)
-    assert all(torch.all(t == 0) for t in neighbour.layer(0))  # the slot next door is untouched
-    with pytest.raises(ValueError, match="past its slot"):
-        kv.write(1, torch.zeros(1, 2, 62, d), torch.zeros(1, 2, 62, d))  # 3 + 62 > 64
+    keys, values = kv.write(0, torch.full((1, 2, 62, d), 7.0), torch.full((1, 2, 62, d), 8.0))
+    assert kv.pages == [0, 2]  # it grew into the next free page as it wrote past its first
+    assert keys.shape[-2] == 65 and torch.equal(keys[:, :, :3], k) and torch.all(values[:, :, 3:] == 8.0)
+    assert torch.all(pool.layer(0)[0][1] == 0)  # the neighbour's page is untouched
+    with pytest.raises(PoolExhausted):
+        kv.write(1, torch.zeros(1, 2, 130, d), torch.zeros(1, 2, 130, d))  # 3 + 130 > 3 pages of 64
+    assert kv.pages == [0, 2]  # nothing taken by the write that did not fit
+    kv.length = 65
     kv.crop(2)
     assert kv.length == 2 and all(kk.shape[-2] == 2 for kk, _ in kv.layers())
-    pool.release(kv.slot)
-    assert pool.acquire() == 0  # the lowest free slot comes back first
+    blocks = kv.chunk_blocks()
+    assert len(blocks) == 1 and blocks[0].shape == (lm.layout.num_layers, 2, 2, 2, d)
+    kv.release()
+    assert kv.pages == [] and pool.free_pages == 2
     with pytest.raises(ValueError, match="twice"):
-        pool.release(2)
+        pool.free([0, 0])
 
 
 def test_text_stream_holds_back_a_possible_stop_and_cuts_at_it():

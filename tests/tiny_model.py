@@ -53,15 +53,19 @@ def tiny_llama(seed: int = 0, vocab_size: int = 80, layers: int = 3) -> LlamaFor
 
 
 def tiny_loaded(
-    name: str = "tiny", *, model: LlamaForCausalLM | None = None, eos: frozenset[int] = frozenset({0})
+    name: str = "tiny",
+    *,
+    model: LlamaForCausalLM | None = None,
+    eos: frozenset[int] = frozenset({0}),
+    device: torch.device | str = "cpu",
 ) -> LoadedModel:
-    model = model or tiny_llama()
+    model = (model or tiny_llama()).to(device)
     cfg = model.config
     return LoadedModel(
         name=name,
         model=model,
         tokenizer=tiny_tokenizer(),
-        device=torch.device("cpu"),
+        device=torch.device(device),
         dtype=torch.float32,
         fingerprint=xxhash.xxh3_64_hexdigest(f"tiny:{id(model)}".encode()),
         layout=KVLayout(

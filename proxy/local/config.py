@@ -26,7 +26,7 @@ def engine_config(settings: Settings | None = None, **fields: Any) -> EngineConf
         max_queue=lr.max_queue,
         max_running=lr.max_running,
         max_batch_tokens=lr.max_batch_tokens,
-        batch_invariant=lr.batch_invariant,
+        batch_invariant=None if lr.batch_invariant == "auto" else bool(lr.batch_invariant),
         compile=lr.compile,
         kv_budget_bytes=lr.max_running_kv_mb * MB,
         lookahead=preload.lookahead_turns if (preload.enabled and aware.enabled) else 0,
@@ -34,6 +34,11 @@ def engine_config(settings: Settings | None = None, **fields: Any) -> EngineConf
         overlap_with_compute=preload.enabled and preload.overlap_with_compute,
         evict_on_pressure=aware.evict_on_pressure,
         min_free_memory_bytes=lr.min_free_memory_mb * MB,
+        device_reserve_bytes=(
+            int(settings.attention_store.tiering.l0_gpu.capacity_mb * MB)
+            if settings.attention_store.enabled
+            else 0
+        ),
         max_context_tokens=position.max_context_tokens,
         truncate_on_overflow=position.truncate_on_overflow,
         decouple=position.decouple,

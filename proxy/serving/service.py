@@ -256,6 +256,7 @@ class LocalServing:
                 tiers=first.tiers,
                 position_shift=first.position_shift,
                 at=first.at,
+                skipped=first.skipped_tokens,
             )
             n = req.body.get("n") or 1
             answer = self._answer(req, turn, tools, sampling.logprobs is not None, n)

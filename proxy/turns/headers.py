@@ -21,6 +21,8 @@ SESSION = "X-AttentionStore-Session"
 TTFT = "X-AttentionStore-TTFT-Ms"
 TIERS_HEADER = "X-AttentionStore-Tiers"  # (TIERS is kvtier's tuple of tier names)
 POSITION_SHIFT = "X-AttentionStore-Position-Shift"
+# Stored tokens a local turn recomputed instead of restoring: loading them was measured slower.
+SKIPPED = "X-AttentionStore-Skipped-Tokens"
 REPLICA = "X-AttentionStore-Replica"
 # On a turn one replica forwards to another (one hop at most: a request carrying it is served where it lands).
 FORWARDED_BY = "X-AttentionStore-Forwarded-By"

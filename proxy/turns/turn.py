@@ -37,6 +37,7 @@ from .headers import (
     REUSED,
     ROUTE,
     SESSION,
+    SKIPPED,
     TIERS_HEADER,
     TTFT,
     CacheLevel,
@@ -64,6 +65,7 @@ class Turn:
     prompt: int = 0  # prompt tokens, where known
     tiers: Mapping[str, int] | None = None  # local turns: reused tokens per tier
     position_shift: int | None = None  # local turns: positions the reused KV moved after a truncation
+    skipped: int | None = None  # local turns: stored tokens recomputed (loading them measured slower)
     first_token_at: float | None = None  # time.monotonic() when the first token (or byte) was ready
     owner_serves: bool = False  # forwarded: the owner logs and counts this turn
     finished: bool = False
@@ -92,7 +94,7 @@ class Turn:
     def serve_upstream(self) -> None:
         """Sent to `llm_endpoint` (also a local turn that the full local queue sent there)."""
         self.route, self.cache = "upstream", "bypass"
-        self.reused, self.tiers, self.position_shift = 0, None, None
+        self.reused, self.tiers, self.position_shift, self.skipped = 0, None, None, None
 
     def local_first_token(
         self,
@@ -103,10 +105,11 @@ class Turn:
         tiers: Mapping[str, int],
         position_shift: int,
         at: float,
+        skipped: int = 0,
     ) -> None:
         """The runner processed the prompt at `at` (time.monotonic()), reusing `reused` tokens' KV."""
         self.cache, self.reused, self.prompt = cache, reused, prompt
-        self.tiers, self.position_shift = tiers, position_shift
+        self.tiers, self.position_shift, self.skipped = tiers, position_shift, skipped
         self.first_token_at = at
 
     def upstream_first_byte(self) -> None:
@@ -134,7 +137,7 @@ class Turn:
 
     def headers(self) -> dict[str, str]:
         """The X-AttentionStore-* headers for this turn as it stands, ready for `web.Response(headers=...)`;
-        a local turn's also name its reused tokens per tier and its position shift."""
+        a local turn's also name its reused tokens per tier, its position shift and its skipped tokens."""
         headers = {
             CACHE: cache_label(self.cache),
             ROUTE: self.route,
@@ -147,6 +150,8 @@ class Turn:
             headers[TIERS_HEADER] = tiers_value(self.tiers)
         if self.position_shift is not None:
             headers[POSITION_SHIFT] = str(int(self.position_shift))
+        if self.skipped is not None:
+            headers[SKIPPED] = str(int(self.skipped))
         return headers
 
     def tag(self, response: web.StreamResponse) -> None:
@@ -168,17 +173,20 @@ class Turn:
         label = cache_label(self.cache)
         ttft_ms = self.ttft_ms
         shift = self.position_shift or 0
+        skipped = self.skipped or 0
         if log.isEnabledFor(logging.INFO):
             log.info(
-                "[AttentionStore] session=%s turn=%d %s reused=%d prompt=%d ttft_ms=%.2f%s",
+                "[AttentionStore] session=%s turn=%d %s reused=%d prompt=%d ttft_ms=%.2f%s%s",
                 self.session,
                 self.turn,
                 label,
                 self.reused,
                 self.prompt,
                 ttft_ms,
-                # Appended after a truncation (the seed's format stays a prefix of every line).
+                # Appended after a truncation, or when stored KV was recomputed as the faster way (the
+                # seed's format stays a prefix of every line).
                 f" shift={shift}" if shift > 0 else "",
+                f" skipped={skipped}" if skipped > 0 else "",
             )
         if self.first_token_at is None:  # no first token: counted, but not a TTFT sample
             self.metrics.requests.labels(self.route, label).inc()

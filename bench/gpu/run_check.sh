@@ -1,0 +1,76 @@
+#!/bin/bash
+# The GPU check (make gpu-check): on a machine with a CUDA GPU and no network, from the repository root.
+#   bench/gpu/run_check.sh OUT_DIR [WHEELS_DIR]
+# Builds random-weight models of SmolLM2-135M's and Llama-3.1-8B's shapes on the GPU (no download), runs
+# the CUDA tests, then attnstore at its defaults (but the model, the tiers and max_running, as the
+# reference check sets them): exactness on the 135M shape (reuse == recompute, batched == alone), speed
+# and reuse on the 8B shape, the tiers' GB/s; then the same with batch_invariant true. Prints each
+# figure; everything is kept in OUT_DIR (log.txt, pytest.txt, *.jsonl, serve.log). PHASES picks phases (default
+# all: tests models perf correct tiers exact, in that order: the most wanted figures first).
+set -u
+PY=${PY:-python3}
+P=$(pwd); OUT=$(readlink -f "$1"); W=${2:-}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+T0=$(date +%s); el() { echo "=== $(( $(date +%s) - T0 )) s: $*"; }
+PHASES=${PHASES:-"tests models perf correct tiers exact"}
+has() { [[ " $PHASES " == *" $1 "* ]]; }
+el env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if [ -n "$W" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$W"/*.whl || exit 3
+  export PYTHONPATH=/tmp/site:$P
+else
+  export PYTHONPATH=$P
+fi
+export PYTHONUNBUFFERED=1
+$PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" || exit 4
+M=/dev/shm/attnstore-models
+[ "$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)" -gt 40 ] || M=/tmp/attnstore-models
+TP=""
+if has tests; then  # the CUDA tests, beside the models' build (both are short of the device)
+  el cuda-tests-start
+  (timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_ops.py \
+    tests/test_kvtier_cuda.py tests/test_kvtier.py tests/test_reuse_policy.py tests/test_cuda_step.py \
+    > "$OUT/pytest.txt" 2>&1; echo "pytest rc $?" >> "$OUT/pytest.txt") & TP=$!
+fi
+if has models; then
+  el models
+  timeout 200 $PY -m bench.gpu.make_models "$M" --models ${MODELS:-m135,m8b} --device ${MODEL_DEVICE:-cuda} || echo "make_models rc $?"
+fi
+if [ -n "$TP" ]; then wait $TP; el cuda-tests; tail -15 "$OUT/pytest.txt"; fi
+SP=""
+serve() {  # serve PHASE MODEL TAG
+  $PY -m bench.gpu.settings "$1" "$M/$2" "$2" "/tmp/attnstore-kv-$3" > "/tmp/attnstore-$3.json"
+  rm -rf "/tmp/attnstore-kv-$3"
+  echo "===== serve $3: $(date +%T)" >> "$OUT/serve.log"
+  $PY -m proxy serve --settings "/tmp/attnstore-$3.json" --port 8081 >> "$OUT/serve.log" 2>&1 & SP=$!
+}
+stop() { kill $SP 2>/dev/null; for _ in 1 2 3 4 5; do kill -0 $SP 2>/dev/null || break; sleep 1; done; kill -9 $SP 2>/dev/null; sleep 1; }
+health() { curl -s http://127.0.0.1:8081/healthz | head -c 1500; echo; }
+drive() { timeout "$1" $PY bench/gpu/drive.py --base http://127.0.0.1:8081 "${@:2}" > /dev/null; }
+if has perf; then
+  el speed-8b-shape
+  serve perf ${PERF_MODEL:-m8b} perf
+  drive 240 --model ${PERF_MODEL:-m8b} --phase perf --out "$OUT/perf.jsonl" --lengths ${LENGTHS:-1000,4000,8000,16000,22000,30000} --streams ${STREAMS:-1,8,32} --decode ${DECODE:-128}
+  health; $PY bench/gpu/drive.py --summarize "$OUT/perf.jsonl"; stop
+fi
+if has correct; then
+  el correctness-135m-shape
+  serve correct m135 correct
+  drive 150 --model m135 --phase correct --out "$OUT/correct.jsonl" --convs 6 --words 300
+  health; grep -E '"summary' "$OUT/correct.jsonl" | cut -c1-400; stop
+fi
+if has tiers; then
+  el tiers
+  timeout 120 $PY -m bench.tier_transfers --tokens 8192 --reps 3 --layout 8b
+fi
+if has exact; then
+  el exact-batch-invariant
+  BI=1 serve correct m135 exact-correct
+  drive 150 --model m135 --phase correct --out "$OUT/exact-correct.jsonl" --convs 6 --words 300
+  health; grep -E '"summary' "$OUT/exact-correct.jsonl" | cut -c1-400; stop
+  BI=1 serve perf m8b exact-perf
+  drive 200 --model m8b --phase perf --out "$OUT/exact-perf.jsonl" --lengths ${EXACT_LENGTHS:-1000,8000,16000,22000} --streams 1,8,32 --decode 128
+  health; $PY bench/gpu/drive.py --summarize "$OUT/exact-perf.jsonl"; stop
+fi
+el done

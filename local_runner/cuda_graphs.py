@@ -1,0 +1,184 @@
+"""Decode steps replayed as CUDA graphs: one graph per batch-size bucket, captured at start.
+
+A decode step of a large model is a few hundred kernels whose launch (and Python) cost more than their
+work; a graph replays all of them at once. A step whose every job decodes one token (the common step
+of a serving engine) takes the graph of the smallest bucket that holds its jobs; the rows past them are
+padding (they write into a page no job holds and their logits are dropped). Any other step (a prompt
+chunk, a restore still arriving, more jobs than the largest bucket) runs eagerly.
+
+The graphs read everything that changes from step to step out of one static buffer on the device
+(token ids, positions, where each new K/V goes, each job's page table and key count), which one copy
+from pinned host memory fills before the replay (vLLM's and nano-vllm's layout). The kernels are the
+eager step's own, so a token decoded in a graph is computed as it would be eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import triton_attention
+from .cuda_stack import CudaStack
+from .kv_pages import PagePool
+from .packed_attention import PackedPlan, PoolGroup
+from .sampling import RowLogits, StepLogits
+from .step import Work
+
+log = logging.getLogger("attnstore.runner")
+
+
+def buckets_up_to(most: int) -> list[int]:
+    """The batch sizes graphs are captured for: 1, 2, 4, 8, then every 8 up to `most` (and `most`)."""
+    sizes = [b for b in (1, 2, 4) if b < most] + list(range(8, most, 8)) + [most]
+    return sorted(set(sizes))
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [bucket, vocab]: the replay's output
+
+
+class DecodeGraphs:
+    """Owns the graphs, their static inputs and the padding page; used on the worker's thread only."""
+
+    def __init__(self, stack: CudaStack, pool: PagePool, most_jobs: int, most_keys: int) -> None:
+        self.stack = stack
+        self.pool = pool
+        self.buckets = buckets_up_to(most_jobs)
+        self.width = pool.pages_for(most_keys)  # page-table columns: a job's most pages
+        self.most_keys = most_keys
+        self.pad_page = pool.allocate(1)[0]  # padding rows write here; no job ever holds it
+        device = pool.device
+        most = self.buckets[-1]
+        # ids, positions, write page, write offset, keys: a row of `most` each; then the page tables
+        self._columns = 5
+        size = self._columns * most + most * self.width
+        self._host = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._device = torch.zeros(size, dtype=torch.long, device=device)
+        self._arange = torch.arange(most, dtype=torch.long, device=device)
+        self._ones = torch.ones(most, dtype=torch.long, device=device)
+        self._graphs: dict[int, _Graph] = {}
+        self._pool_handle: object = None
+
+    def _field(self, buf: Any, i: int) -> Any:
+        """Field i of the static inputs in `buf` (the device tensor or the host buffer's numpy view)."""
+        most = self.buckets[-1]
+        return buf[i * most : (i + 1) * most]
+
+    def _tables(self, buf: Any) -> Any:
+        most = self.buckets[-1]
+        return buf[self._columns * most :].reshape(most, self.width)
+
+    def _plan(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PackedPlan]:
+        """The static inputs of a bucket (views of the device buffer) and the plan its forward reads."""
+        ids, positions, pages, offsets, lengths = (self._field(self._device, i)[:bucket] for i in range(5))
+        tables = self._tables(self._device)[:bucket]
+        rows = self._arange[:bucket]
+        meta = triton_attention.KernelPlan(
+            tables=tables,
+            lengths=lengths,
+            item_job=rows,
+            item_row=rows,
+            item_count=self._ones[:bucket],
+            item_length=lengths,
+            items=bucket,
+            partitions=triton_attention.partitions_of(self.most_keys),
+            group=self.stack.heads // self.stack.kv_heads,
+            tokens=bucket,
+        )
+        group = PoolGroup(
+            pool=self.pool,
+            segments=[],
+            rows=None,
+            write_pages=pages,
+            write_offsets=offsets,
+            tables=tables,
+            jobs=rows,
+            lengths=lengths,
+            pending=[],
+            kernel_meta=meta,
+        )
+        plan = PackedPlan([], batch_invariant=self.stack.invariant, _groups=[group])
+        return ids, positions, rows, plan
+
+    def capture(self) -> None:
+        """Capture every bucket's graph, the largest first (the others reuse its memory pool). Each is
+        run once eagerly first: Triton compiles its kernels outside the capture."""
+        self._fill([])
+        self._pool_handle = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize(self.pool.device)
+        for bucket in reversed(self.buckets):
+            ids, positions, keep, plan = self._plan(bucket)
+            self.stack.forward(ids, positions, keep, plan)  # compile and warm up, outside the graph
+            torch.cuda.synchronize(self.pool.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool_handle):
+                logits = self.stack.forward(ids, positions, keep, plan)
+            self._graphs[bucket] = _Graph(graph, logits)
+        torch.cuda.synchronize(self.pool.device)
+
+    def fits(self, work: list[Work]) -> bool:
+        """A step the graphs can run: decoding jobs only, of this pool, none still restoring."""
+        if len(work) > self.buckets[-1]:
+            return False
+        return all(
+            len(w.tokens) == 1
+            and w.want_logits
+            and w.kv.pool is self.pool
+            and not w.kv.restoring
+            and len(w.kv.pages) <= self.width
+            for w in work
+        )
+
+    def run(self, work: list[Work]) -> list[RowLogits | None]:
+        """Replay the bucket's graph for these decoding jobs; their logits rows (views of the graph's
+        output, valid until the next replay) in `work`'s order. Advances each job's length."""
+        bucket = next(b for b in self.buckets if b >= len(work))
+        for w in work:
+            w.kv.ensure(w.kv.length + 1)
+        self._fill(work)
+        self._device.copy_(self._host, non_blocking=True)
+        graph = self._graphs.get(bucket)
+        if graph is not None:
+            graph.graph.replay()
+            logits = graph.logits
+        else:  # not captured (a CPU test): the replay's computation, run eagerly on the same inputs
+            ids, positions, keep, plan = self._plan(bucket)
+            logits = self.stack.forward(ids, positions, keep, plan)
+        step_logits = StepLogits(logits[: len(work)])
+        for w in work:
+            w.kv.length += 1
+        return [step_logits.row(i) for i in range(len(work))]
+
+    def _fill(self, work: list[Work]) -> None:
+        """The host side of the static inputs: the jobs' rows, then padding rows (the padding page,
+        position 0, one key)."""
+        most = self.buckets[-1]
+        host = self._host.numpy()  # numpy's element writes: no torch call per row
+        ids, positions, pages, offsets, lengths = (self._field(host, i) for i in range(5))
+        tables = self._tables(host)
+        size = self.pool.page_tokens
+        n = len(work)
+        for i, w in enumerate(work):
+            at = w.kv.length
+            ids[i] = w.tokens[0]
+            positions[i] = at
+            pages[i] = w.kv.pages[at // size]
+            offsets[i] = at % size
+            lengths[i] = at + 1
+            row = w.kv.pages
+            tables[i, : len(row)] = row
+        if n < most:
+            ids[n:] = 0
+            positions[n:] = 0
+            pages[n:] = self.pad_page
+            offsets[n:] = 0
+            lengths[n:] = 1
+            tables[n:, 0] = self.pad_page
+
+    def close(self) -> None:
+        self._graphs.clear()

@@ -1,0 +1,178 @@
+"""Every running job's KV in one pool of pages per model (nano-vllm's block manager, with the store's
+chunk size as the page size).
+
+Why pages: a job's context is then bounded by the model and the pool, never by a per-job split of the
+memory, and a restore or a save moves whole chunks: a page holds exactly one kvtier chunk, laid out as
+the chunk's buffer is ([layers, 2, kv_heads, page_tokens, head_dim] across the pool's layer axis), so
+restoring a chunk into a page is one copy per layer (or one per chunk), and a save reads a page as it
+lies.
+
+Layout: one buffer [layers, pages, 2, kv_heads, page_tokens, head_dim]. Page p of layer i is
+buf[i, p]: its K then its V, each head's tokens contiguous. The attention kernels read a layer's K as
+buf[i, :, 0] ([pages, kv_heads, page_tokens, head_dim], page stride 2 * kv_heads * page_tokens *
+head_dim) through each job's page table.
+
+Ownership: the pool owns the free list (under its lock: the worker allocates, the save hand-off frees);
+each job's `PageTable` (job_kv.py) owns the pages it holds and gives them back when the job is done.
+
+Memory: on the CPU the buffer is an anonymous mmap: its pages take no memory until a job writes them,
+the lowest free pages are handed out first so the touched part stays compact, and `give_back` returns
+the memory of free pages to the OS under memory pressure. On CUDA the buffer is allocated on the device
+at first use, sized from the device memory (`cuda_pages`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import mmap
+import threading
+
+import torch
+
+from kvtier import KVLayout
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+# The kernels read keys in blocks of 16 (exact_attention.cpp's tiles) or of the largest power of two up
+# to 64 that divides the page (triton_attention.py): a page holds whole blocks, so a block never
+# straddles two pages.
+PAGE_MULTIPLE = 16
+# A page of a model without a store (the store's chunk size otherwise): kvtier's default chunk.
+DEFAULT_PAGE_TOKENS = 256
+
+
+class PoolExhausted(Exception):
+    """No free page is left for a job's next tokens (the scheduler preempts or waits)."""
+
+
+class PagePool:
+    def __init__(self, layout: KVLayout, device: torch.device, pages: int, page_tokens: int) -> None:
+        if pages <= 0:
+            raise ValueError(f"a KV pool needs at least one page, got {pages}")
+        if page_tokens <= 0 or page_tokens % PAGE_MULTIPLE:
+            raise ValueError(f"a KV page holds a multiple of {PAGE_MULTIPLE} tokens, got {page_tokens}")
+        self.layout = layout
+        self.device = device
+        self.pages = pages
+        self.page_tokens = page_tokens
+        self._lock = threading.Lock()
+        self._free = list(range(pages))  # a heap: the lowest page first keeps the touched memory compact
+        self._is_free = [True] * pages
+        self._buf: torch.Tensor | None = None
+        self._mmap: mmap.mmap | None = None
+
+    # ---- pages --------------------------------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` free pages (the lowest first), or PoolExhausted with none taken. Allocates the buffer on
+        first use."""
+        if n <= 0:
+            return []
+        with self._lock:
+            if len(self._free) < n:
+                raise PoolExhausted(f"{n} KV pages wanted, {len(self._free)} free of {self.pages}")
+            taken = [heapq.heappop(self._free) for _ in range(n)]
+            for p in taken:
+                self._is_free[p] = False
+        self._ensure()
+        return taken
+
+    def free(self, pages: list[int]) -> None:
+        with self._lock:
+            if len(set(pages)) != len(pages) or any(
+                not 0 <= p < self.pages or self._is_free[p] for p in pages
+            ):
+                raise ValueError(f"pages {pages} are out of range or freed twice")
+            for p in pages:
+                self._is_free[p] = True
+                heapq.heappush(self._free, p)
+
+    @property
+    def free_pages(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_tokens)
+
+    @property
+    def capacity(self) -> int:
+        """The most tokens one job could hold: every page."""
+        return self.pages * self.page_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages * self.page_tokens * self.layout.bytes_per_token
+
+    # ---- views --------------------------------------------------------------------------------------
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The whole pool, [layers, pages, 2, kv_heads, page_tokens, head_dim]."""
+        return self._ensure()
+
+    def layer(self, i: int) -> KV:
+        """Layer i's K and V of every page, [pages, kv_heads, page_tokens, head_dim] each (strided views)."""
+        buf = self._ensure()
+        return buf[i, :, 0], buf[i, :, 1]
+
+    def page(self, p: int) -> torch.Tensor:
+        """Page p across every layer, [layers, 2, kv_heads, page_tokens, head_dim] (a chunk's layout)."""
+        return self._ensure()[:, p]
+
+    # ---- memory -------------------------------------------------------------------------------------
+
+    def give_back(self) -> int:
+        """Return the memory of every free page to the OS (CPU only; it reads as zeros again). Bytes
+        given back at most (memory never written costs nothing and is counted too)."""
+        if self._mmap is None:
+            return 0
+        with self._lock:
+            free = sorted(self._free)
+        lay = self.layout
+        per_page = 2 * lay.num_kv_heads * self.page_tokens * lay.head_dim * lay.itemsize
+        os_page = mmap.PAGESIZE
+        given = 0
+        for i in range(lay.num_layers):
+            for p in free:
+                start = (i * self.pages + p) * per_page
+                lo, hi = -(-start // os_page) * os_page, (start + per_page) // os_page * os_page
+                if hi > lo:
+                    self._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                    given += hi - lo
+        return given
+
+    def _ensure(self) -> torch.Tensor:
+        if self._buf is not None:
+            return self._buf
+        with self._lock:
+            if self._buf is None:
+                lay = self.layout
+                shape = (lay.num_layers, self.pages, 2, lay.num_kv_heads, self.page_tokens, lay.head_dim)
+                if self.device.type == "cpu":
+                    self._mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                    self._buf = torch.frombuffer(self._mmap, dtype=lay.dtype).view(shape)
+                else:
+                    self._buf = torch.zeros(shape, dtype=lay.dtype, device=self.device)
+        return self._buf
+
+    def close(self) -> None:
+        """Drop the buffer (views held elsewhere keep the memory until they go)."""
+        with self._lock:
+            self._buf = None
+            if self._mmap is not None:
+                with contextlib.suppress(BufferError):  # a view still alive: the GC frees it later
+                    self._mmap.close()
+                self._mmap = None
+
+
+def cuda_pages(
+    layout: KVLayout, device: torch.device, page_tokens: int, wanted: int, reserve_bytes: int, share: float
+) -> int:
+    """On CUDA: how many pages the pool gets: at most `wanted`, within `share` of the device memory
+    free now once `reserve_bytes` (the store's L0, the step's activations) are set aside."""
+    free, _total = torch.cuda.mem_get_info(device)
+    page_bytes = page_tokens * layout.bytes_per_token
+    fit = int(max(0, free - reserve_bytes) * share) // page_bytes
+    return max(1, min(wanted, fit))
