@@ -82,6 +82,7 @@ def test_a_local_turn(start_proxy, make_settings, log_lines):
         "x-attentionstore-replica": "r1",
         "x-attentionstore-tiers": "l0=0,l1=4,l2=0",
         "x-attentionstore-position-shift": "0",
+        "x-attentionstore-skipped-tokens": "0",  # nothing stored was recomputed
     }
     [line] = log_lines("s-local")
     assert line.startswith("[AttentionStore] session=s-local turn=0 l1_hit reused=4 prompt=10 ttft_ms=")

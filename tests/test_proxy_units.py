@@ -139,6 +139,7 @@ def test_cache_labels_come_from_kvtiers_tiers():
         "X-AttentionStore-Replica": "r1",
         "X-AttentionStore-Tiers": "l0=16,l1=16,l2=0",
         "X-AttentionStore-Position-Shift": "0",
+        "X-AttentionStore-Skipped-Tokens": "0",
     }
     turn.serve_upstream()
     upstream = turn.headers()
