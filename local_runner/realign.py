@@ -104,6 +104,7 @@ class ShiftedKV(LayerSource):
         self._restored = restored
         self._found = found
         self._rope = rope
+        self._matrix: torch.Tensor | None = None  # the move by -shift, made once for every layer
         self._done: set[int] = set()
         self._lock = threading.Lock()
 
@@ -112,10 +113,15 @@ class ShiftedKV(LayerSource):
         with self._lock:
             if i not in self._done:
                 f = self._found
+                if self._matrix is None:
+                    self._matrix = self._rope.matrix(-f.shift, k.shape[-1])
                 with torch.inference_mode():
-                    moved = self._rope.rotate(k[:, :, f.src : f.source_end], -f.shift)
-                    k[:, :, f.keep : f.reused] = moved
-                    v[:, :, f.keep : f.reused] = v[:, :, f.src : f.source_end].clone()
+                    self._rope.move_into(
+                        k[:, :, f.src : f.source_end], k[:, :, f.keep : f.reused], self._matrix
+                    )
+                    values = v[:, :, f.src : f.source_end]
+                    # the runs overlap when the shift is shorter than the run: read it whole first
+                    v[:, :, f.keep : f.reused] = values.clone() if f.shift < f.n else values
                 self._done.add(i)
         return k, v
 
