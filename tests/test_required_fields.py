@@ -233,12 +233,12 @@ def test_the_local_model_refuses_a_user_message_without_content(local_proxy):
     assert_refused(refused, "prompt", MISSING)
     stats = http_request("GET", server.url + "/v1/attention_store/stats").json()
     assert stats["runner"]["admitted"] == 0, stats["runner"]  # nothing reached the engine
-    # What OpenAI lets a conversation leave out is still served: an assistant's content beside its
-    # tool calls, a tool result as text parts.
+    # What OpenAI lets a message leave out is still served: a name, content as text parts.
     messages = [
+        {"role": "developer", "content": [{"type": "text", "text": "Answer briefly."}]},
         {"role": "user", "content": "What is 6 times 7?"},
-        {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "multiply", "arguments": '{"a": 6, "b": 7}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "42"}]},
-    ]  # fmt: skip
+        {"role": "assistant", "content": [{"type": "text", "text": "42."}]},
+        {"role": "user", "content": [{"type": "text", "text": "And 6 times 8?"}]},
+    ]
     answer = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     assert answer.choices[0].finish_reason in ("stop", "length")
