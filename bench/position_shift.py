@@ -2,7 +2,8 @@
 
     python -m bench.position_shift [--conversations 4] [--min-turns 8] [--context 4096]
         [--message-tokens 400] [--answer-tokens 64] [--document-tokens 6000] [--chunk-tokens 256]
-        [--dtype auto] [--threads 0] [--repeats 3] [--no-quality] [--breakdown] [--json PATH]
+        [--dtype auto] [--threads 0] [--repeats 3] [--no-quality] [--breakdown] [--compare-elementwise]
+        [--json PATH]
 
     # a quick check that it runs (minutes on a small CPU):
     python -m bench.position_shift --conversations 1 --min-turns 6 --max-turns 12 --context 512 \\
@@ -21,7 +22,8 @@ T > 0):
   recompute. Printed per turn and at the end: the median of (shifted TTFT / recompute TTFT) over every
   repeat of every truncating turn, and the same for the in-place reuse. `--breakdown`: where the
   shifted turn's time went (its start: lookups and realignment; waits for restored layers; moving the
-  kept KV);
+  kept KV); `--compare-elementwise`: each repeat also serves the shifted turn with the move before
+  issue 39 (every layer's keys rotated by RopeShift.rotate's elementwise passes), first;
 - quality (unless --no-quality): with the reused (moved) KV as prefix, and with a recompute of the same
   prefix, the model scores the turn's new tokens and then the recompute's greedy answer (teacher-forced):
   top-1 next-token agreement and mean KL(recompute || reused) over each part, and the length of the
@@ -76,11 +78,14 @@ class Row:
     ttft_shifted_s: list[float]
     ttft_in_place_s: list[float]
     ttft_recompute_s: list[float]
+    # --compare-elementwise: the shifted turn again with each layer's keys rotated elementwise
+    ttft_elementwise_s: list[float] = field(default_factory=list)
     # --breakdown: seconds of the shifted turns spent starting (lookups, realignment), waiting for the
     # restore, and moving the kept KV (rotation and copies), per repeat
     begin_s: list[float] = field(default_factory=list)
     restore_wait_s: list[float] = field(default_factory=list)
     move_s: list[float] = field(default_factory=list)
+    move_elementwise_s: list[float] = field(default_factory=list)
     top1_new: float | None = None
     kl_new: float | None = None
     top1_answer: float | None = None
@@ -232,6 +237,32 @@ def conversations(args, tokenizer) -> list[tuple[str, list[str]]]:
     return out
 
 
+def elementwise_move(shifted: ShiftedKV, i: int) -> KV:
+    """ShiftedKV.buffers as it was before issue 39: each layer's kept keys rotated by RopeShift.rotate's
+    elementwise passes, the values cloned (--compare-elementwise samples it beside the runner's move)."""
+    k, v = shifted._restored.buffers(i)
+    with shifted._lock:
+        if i not in shifted._done:
+            f = shifted._found
+            with torch.inference_mode():
+                k[:, :, f.keep : f.reused] = shifted._rope.rotate(k[:, :, f.src : f.source_end], -f.shift)
+                v[:, :, f.keep : f.reused] = v[:, :, f.src : f.source_end].clone()
+            shifted._done.add(i)
+    return k, v
+
+
+# ShiftedKV.buffers goes through this (install_move_switch), so a sample can use another move.
+ORIGINAL_MOVE = ShiftedKV.buffers
+MOVE = [ORIGINAL_MOVE]
+
+
+def install_move_switch() -> None:
+    def buffers(shifted: ShiftedKV, i: int) -> KV:
+        return MOVE[0](shifted, i)
+
+    ShiftedKV.buffers = buffers  # type: ignore[method-assign]
+
+
 # The session of the measuring probes, whose KV is never saved: a probe must leave the store as it found it
 # (a save would also supersede the partial chunk the conversation's next turn reuses).
 PROBE = "bench-probe"
@@ -262,7 +293,22 @@ def measure(
     first = None
     if breakdown is not None:
         breakdown.take()
+    elementwise: list[float] = []
+    elementwise_moves: list[float] = []
     for r in range(args.repeats):
+        if args.compare_elementwise:
+            MOVE[0] = elementwise_move
+            try:
+                ttft, first, *_ = asyncio.run(
+                    run_job(runner, ids, 1, namespace=ns, session=PROBE, previous_keys=prev)
+                )
+            finally:
+                MOVE[0] = ORIGINAL_MOVE
+            if not first.position_shift:
+                return None
+            elementwise.append(ttft)
+            if breakdown is not None:
+                elementwise_moves.append(breakdown.take()[2])
         ttft, first, *_ = asyncio.run(
             run_job(runner, ids, 1, namespace=ns, session=PROBE, previous_keys=prev)
         )
@@ -287,6 +333,7 @@ def measure(
     )  # fmt: skip
     if parts:
         row.begin_s, row.restore_wait_s, row.move_s = (list(p) for p in zip(*parts, strict=True))
+    row.ttft_elementwise_s, row.move_elementwise_s = elementwise, elementwise_moves
     return row
 
 
@@ -320,6 +367,11 @@ def drive(args, lm: LoadedModel, runner: Runner, store: KVStore, name: str, mess
             f"{med(row.ttft_in_place_s):.3f} s, recompute {med(row.ttft_recompute_s):.3f} s: shifted / recompute "
             f"{row.shifted_over_recompute:.2f}, in place / recompute {row.in_place_over_recompute:.2f}"
         )
+        if row.ttft_elementwise_s:
+            ratio = med(a / b for a, b in zip(row.ttft_elementwise_s, row.ttft_recompute_s, strict=True))
+            line += f"; elementwise move: TTFT {med(row.ttft_elementwise_s):.3f} s, / recompute {ratio:.2f}"
+            if row.move_elementwise_s:
+                line += f", moving KV {med(row.move_elementwise_s) * 1e3:.0f} ms"
         if row.move_s:
             line += (
                 f"; shifted turn: start {med(row.begin_s) * 1e3:.0f} ms, restore waits "
@@ -354,10 +406,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="TTFT samples per variant and truncating turn")
     ap.add_argument("--no-quality", dest="quality", action="store_false", help="TTFT only")
     ap.add_argument("--breakdown", action="store_true", help="where a shifted turn's time goes")
+    ap.add_argument(
+        "--compare-elementwise",
+        action="store_true",
+        help="also sample the shifted turn with the elementwise rotation (the move before issue 39)",
+    )
     ap.add_argument("--json", type=Path, help="write every row here")
     args = ap.parse_args(argv)
 
     skip_probe_saves()
+    install_move_switch()
     lm = load_model(
         NAME,
         DEFAULT_MODEL_SOURCE,
@@ -413,6 +471,11 @@ def main(argv: list[str] | None = None) -> int:
             f"| {mean(r.top1_new or 0 for r in rows):.3f} | {mean(r.top1_answer or 0 for r in rows):.3f} "
             f"| {mean(r.kl_new or 0 for r in rows):.4f} | {mean(r.kl_answer or 0 for r in rows):.4f} |"
         )
+    elementwise = [
+        a / b for r in rows for a, b in zip(r.ttft_elementwise_s, r.ttft_recompute_s, strict=False)
+    ]
+    if elementwise:
+        print(f"\nWith the elementwise move: median {med(elementwise):.2f} over {len(elementwise)} samples")
     print(
         f"\nA truncating turn's TTFT / its recompute: median {med(shifted):.2f} over {len(shifted)} samples "
         f"({len(rows)} turns x {args.repeats} repeats, interleaved); an in-place reuse of as many tokens: "
