@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 SETTINGS ?= settings.json
 
-.PHONY: run test test-fast install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench-batch bench soak clean vllm test-vllm gpu-check
+.PHONY: run test test-fast install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench-batch bench soak soak-streams clean vllm test-vllm gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,11 @@ bench: install-bench
 # "--sessions 3 --turns 2", shrinks it.
 soak: install-dev
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
+
+# Rounds of 1/4/8/16 streams for 10 minutes from a start (issue 39): every round's tok/s, and any round
+# below 0.7x its median flagged (exit 1). STREAMS_SOAK_ARGS, e.g. "--minutes 1 --gaps 0 5", shrinks it.
+soak-streams: install-dev
+	$(BIN)/python -m bench.streams_soak $(STREAMS_SOAK_ARGS)
 
 # vLLM as the engine (docs/vllm.md): vLLM CPU 0.32.0 in a venv of its own, with
 # what attnstore's connector imports there (vllm_engine/connector.py comes from this checkout via

@@ -27,8 +27,6 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 
-import torch
-
 from engine_api.sampling import TokenLogprob
 from engine_api.turn import Failed, Finished, FirstToken, TextDelta
 from kvtier import KVLoadError, KVStore, PrefixMatch, RestoredKV

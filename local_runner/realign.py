@@ -106,6 +106,7 @@ class ShiftedKV(LayerSource):
         self._rope = rope
         self._kv = kv
         self._index: tuple[torch.Tensor, ...] | None = None
+        self._matrix: torch.Tensor | None = None  # the move by -shift, made once for every layer
         self._done: set[int] = set()
         self._lock = threading.Lock()
 
@@ -123,10 +124,14 @@ class ShiftedKV(LayerSource):
             if i not in self._done:
                 k_pages, v_pages = self._kv.pool.layer(i)
                 src_pages, src_offsets, dst_pages, dst_offsets = self._indices(k_pages.device)
+                if self._matrix is None:
+                    matrix = self._rope.matrix(-self._found.shift, k_pages.shape[-1])
+                    self._matrix = matrix.to(k_pages.device)
                 with torch.inference_mode():
-                    moved = self._rope.rotate(k_pages[src_pages, :, src_offsets], -self._found.shift)
-                    values = v_pages[src_pages, :, src_offsets]  # a copy: the ranges may overlap
-                    k_pages[dst_pages, :, dst_offsets] = moved
+                    keys = k_pages[src_pages, :, src_offsets]  # copies: the runs may overlap
+                    values = v_pages[src_pages, :, src_offsets]
+                    moved = torch.mm(keys.to(torch.float32).reshape(-1, keys.shape[-1]), self._matrix)
+                    k_pages[dst_pages, :, dst_offsets] = moved.view(keys.shape).to(k_pages.dtype)
                     v_pages[dst_pages, :, dst_offsets] = values
                 self._done.add(i)
 

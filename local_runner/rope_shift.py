@@ -38,13 +38,33 @@ class RopeShift:
         no rounding of its own beyond the final cast."""
         if delta == 0:
             return keys.clone()
+        return self._rotated(keys.to(torch.float32), delta).to(keys.dtype)
+
+    def matrix(self, delta: int, head_dim: int) -> torch.Tensor:
+        """The move by `delta` positions as one float32 matrix M ([head_dim, head_dim]): a key row k
+        moved is k @ M (the rotation's cos and sin in their places, 1 for dims that do not rotate). One
+        matrix serves every layer and head of a turn, and moving a layer's keys is one product
+        (`move_into`) where `rotate` makes a dozen passes over them: each pass is a parallel region,
+        and on a small, busy CPU every region may wait for a core (docs/benchmarks.md, "Positional
+        decoupling")."""
+        eye = torch.eye(head_dim, dtype=torch.float64)
+        return self._rotated(eye, delta).to(torch.float32)  # row j: the unit vector j moved
+
+    @staticmethod
+    def move_into(source: torch.Tensor, target: torch.Tensor, matrix: torch.Tensor) -> None:
+        """target <- source moved by `matrix` (self.matrix): both [..., tokens, head_dim] of one dtype,
+        and they may overlap (the rows are read into float32 before anything is written)."""
+        rows = source.to(torch.float32).reshape(-1, source.shape[-1])
+        target.copy_(torch.mm(rows, matrix).view(target.shape))
+
+    def _rotated(self, x: torch.Tensor, delta: int) -> torch.Tensor:
+        """Rows of `x` (a float tensor) rotated by `delta` positions, in x's dtype."""
         d = self.rotary_dim
-        if d > keys.shape[-1]:
-            raise ValueError(f"rotary dim {d} exceeds the head dim {keys.shape[-1]}")
+        if d > x.shape[-1]:
+            raise ValueError(f"rotary dim {d} exceeds the head dim {x.shape[-1]}")
         angle = float(delta) * self.inv_freq.detach().to("cpu", torch.float64)
-        cos = angle.cos().to(keys.device, torch.float32)
-        sin = angle.sin().to(keys.device, torch.float32)
-        x = keys.to(torch.float32)
+        cos = angle.cos().to(x.device, x.dtype)
+        sin = angle.sin().to(x.device, x.dtype)
         rot, rest = x[..., :d], x[..., d:]
         if self.interleaved:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
@@ -52,8 +72,7 @@ class RopeShift:
             x1, x2 = rot[..., : d // 2], rot[..., d // 2 :]
         y1 = x1 * cos - x2 * sin
         y2 = x2 * cos + x1 * sin
-        pairs = torch.stack((y1, y2), dim=-1).flatten(-2) if self.interleaved else None
-        out = pairs if pairs is not None else torch.cat((y1, y2), dim=-1)
+        out = torch.stack((y1, y2), dim=-1).flatten(-2) if self.interleaved else torch.cat((y1, y2), dim=-1)
         if rest.shape[-1]:
             out = torch.cat((out, rest), dim=-1)
-        return out.to(keys.dtype)
+        return out

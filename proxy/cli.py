@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 
 from aiohttp import web
@@ -32,6 +34,34 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     except ImportError:
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()
+
+
+async def freeze_startup_objects(app: web.Application) -> None:
+    """What start-up made (the models, tokenizers, kernels, the engine) lives as long as the process: it
+    leaves the cyclic collector's view (gc.freeze), so a full collection walks only what serving made
+    since. A full collection holds the GIL from start to end, and over start-up's objects it stopped the
+    step's Python and the event loop, every stream at once, for the better part of a second
+    (docs/benchmarks.md, "Streams soak"). Runs last of the app's start-up, after the local engine is
+    built."""
+    gc.collect()
+    gc.freeze()
+
+
+# How long (in spins, ~100,000 a millisecond) a GNU OpenMP thread that waits busy-waits before it sleeps.
+OPENMP_SPIN_COUNT = "20000"
+
+
+def wait_briefly_in_openmp() -> None:
+    """Unless the operator chose (OMP_WAIT_POLICY, GOMP_SPINCOUNT), the step's OpenMP threads spin for
+    ~0.2 ms before they sleep, not GNU OpenMP's default ~3 ms. Every parallel region of a step ends in a
+    barrier: where another process keeps a core busy, a thread spinning there burns the time slice the
+    thread it waits for needs, and the scheduler counts both as CPU hogs: a step then waits on the
+    scheduler at every region, not on its work (docs/benchmarks.md, "Streams soak"). Spinning this
+    long still bridges the gaps between a step's regions on an idle machine, where sleeping at once
+    slows the step (docs/engine.md, "Batched steps"). Must run before torch is imported: GNU OpenMP
+    reads it once."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
 
 
 def serving_app(settings: Settings) -> web.Application | None:
@@ -63,6 +93,7 @@ def serve(args: argparse.Namespace) -> int:
     if refusal is not None:
         print(f"attnstore: {refusal}", file=sys.stderr)
         return 2
+    wait_briefly_in_openmp()
     try:
         app = serving_app(settings)
     except SettingsError as exc:  # found at start: the L2 folder cannot be made
@@ -70,6 +101,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if app is None:
         return 1
+    app.on_startup.append(freeze_startup_objects)
     logging.getLogger("attnstore").info("serving on http://%s:%d", host, port)
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream call.
     web.run_app(

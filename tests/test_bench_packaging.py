@@ -21,6 +21,7 @@ BENCH_MODULES = (
     "bench.peers",
     "bench.replica_forwarding",
     "bench.soak",
+    "bench.streams_soak",
     "bench.proxy_overhead",
     "bench.support.fake_upstream",
 )

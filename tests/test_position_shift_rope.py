@@ -110,6 +110,10 @@ def test_keys_rotated_by_minus_t_equal_keys_computed_at_p_minus_t(case):
         moved = shift.rotate(keys_at(model, k, old), -t)
         expected = keys_at(model, k, new)
         assert rel_err(moved, expected) <= 1e-4, (case, t)
+        # The runner's way: one matrix for the turn, one product per layer.
+        by_matrix = torch.empty_like(expected)
+        shift.move_into(keys_at(model, k, old), by_matrix, shift.matrix(-t, head_dim))
+        assert rel_err(by_matrix, expected) <= 1e-4, (case, t)
         # Without the rotation the keys are far off: the test can fail.
         assert rel_err(keys_at(model, k, old), expected) > 1e-2
 
@@ -121,6 +125,21 @@ def test_attention_scaling_stays_in_the_shifted_keys():
     k = torch.randn(1, 2, 8, 16)
     moved = rope_shift_for(model).rotate(keys_at(model, k, list(range(100, 108))), -50)  # type: ignore[union-attr]
     assert rel_err(moved, keys_at(model, k, list(range(50, 58)))) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_move_within_one_buffer_reads_the_run_before_it_overwrites_it(dtype):
+    """The kept run moves down by less than its length: source and target overlap in the slot."""
+    shift = RopeShift(1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)))
+    torch.manual_seed(2)
+    slot = torch.randn(1, 2, 50, 16).to(dtype)
+    src, keep, n = 12, 4, 30  # [12, 42) -> [4, 34)
+    expected = shift.rotate(slot[:, :, src : src + n], keep - src)
+    shift.move_into(slot[:, :, src : src + n], slot[:, :, keep : keep + n], shift.matrix(keep - src, 16))
+    assert slot.dtype == dtype
+    assert rel_err(slot[:, :, keep : keep + n].float(), expected.float()) <= (
+        1e-6 if dtype == torch.float32 else 1e-2
+    )
 
 
 def test_bfloat16_keys_stay_bfloat16_and_close():

@@ -160,3 +160,56 @@ def test_an_l2_folder_that_cannot_be_made_stops_start_up_with_one_line_naming_th
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "attention_store.tiering.l2_disk.path: cannot create" in lines[0] and str(blocker) in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("given", "spin_count"),
+    [({}, "20000"), ({"GOMP_SPINCOUNT": "300000"}, "300000"), ({"OMP_WAIT_POLICY": "PASSIVE"}, None)],
+    ids=["default", "operator-spin-count", "operator-wait-policy"],
+)
+def test_openmp_threads_spin_briefly_unless_the_operator_chose(monkeypatch, given, spin_count):
+    from proxy.cli import wait_briefly_in_openmp
+
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    wait_briefly_in_openmp()
+    assert os.environ.get("GOMP_SPINCOUNT") == spin_count
+
+
+def test_the_served_process_spins_briefly(tmp_path):
+    """`attnstore serve` sets it before torch loads (GNU OpenMP reads it once, at load)."""
+    code = (
+        "import os, sys\n"
+        "from proxy import cli\n"
+        "cli.build = lambda settings: print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules) or None\n"
+        "sys.argv = ['attnstore', 'serve', '--settings', sys.argv[1]]\n"
+        "sys.exit(cli.main())\n"
+    )
+    settings = tmp_path / "settings.json"
+    settings.write_bytes(orjson.dumps(settings_dict(tmp_path)))
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(settings)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.stdout.split() == ["20000", "False"], done.stdout + done.stderr
+
+
+def test_startup_objects_leave_the_collectors_view():
+    import asyncio
+    import gc
+
+    from proxy.cli import freeze_startup_objects
+
+    gc.unfreeze()
+    try:
+        asyncio.run(freeze_startup_objects(None))  # type: ignore[arg-type]
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

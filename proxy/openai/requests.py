@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from ..errors import bad_request
+from .required import check_chat_message, check_input_item, missing
 
 
 @dataclass(slots=True)
@@ -78,6 +79,8 @@ def _load_object(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object.")
+    if "model" not in body:
+        raise missing("model")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a non-empty string.", param="model")
@@ -113,15 +116,13 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
 
 def parse_chat(raw: bytes) -> ChatRequest:
     body = _load_object(raw)
+    if "messages" not in body:
+        raise missing("messages")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' is required and must be a non-empty array.", param="messages")
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string 'role'.", param="messages")
-        content = msg.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise bad_request(f"messages[{i}].content must be a string or an array.", param="messages")
+        check_chat_message(msg, i)
     return ChatRequest(**_common_fields(raw, body), turn=count_turn(messages), messages=messages)
 
 
@@ -144,6 +145,8 @@ def _one_prompt(prompt: object) -> str | list[int] | None:
 
 def parse_completion(raw: bytes) -> CompletionRequest:
     body = _load_object(raw)
+    if "prompt" not in body:
+        raise missing("prompt")
     prompt = body.get("prompt")
     valid = (
         isinstance(prompt, str)
@@ -159,38 +162,27 @@ def parse_completion(raw: bytes) -> CompletionRequest:
     return CompletionRequest(**_common_fields(raw, body), turn=0, prompt=_one_prompt(prompt))
 
 
-# Responses input roles -> chat roles; item content part types that carry text.
-_INPUT_ROLES = ("user", "system", "developer", "assistant")
+# Item content part types that carry text (the local engine serves these).
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _item_message(item: object, where: str) -> dict[str, Any] | str:
-    """A Responses input item as a chat message, or why it is not served locally (a string)."""
+def _item_message(item: str | dict[str, Any], where: str) -> dict[str, Any] | str:
+    """A Responses input item (checked: required.check_input_item) as a chat message, or why it is not
+    served locally (a string)."""
     if isinstance(item, str):
         return {"role": "user", "content": item}
-    if not isinstance(item, dict):
-        raise bad_request(f"{where} must be an object or a string.", param="input")
     kind = item.get("type", "message")
     if kind != "message":
         return f"{where}: input items of type {kind!r} are not served locally"
-    role = item.get("role")
-    if role not in _INPUT_ROLES:
-        raise bad_request(f"{where}.role must be one of {', '.join(_INPUT_ROLES)}.", param="input")
-    content = item.get("content")
+    content = item["content"]
     if isinstance(content, str):
-        return {"role": role, "content": content}
-    if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or an array of content parts.", param="input")
+        return {"role": item["role"], "content": content}
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise bad_request(f"{where}.content[{j}] must be an object with a 'type'.", param="input")
         if part["type"] not in _TEXT_PARTS:
             return f"{where}.content[{j}]: {part['type']!r} parts are not served locally"
-        if not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}.content[{j}].text must be a string.", param="input")
         texts.append(part["text"])
-    return {"role": role, "content": "".join(texts)}
+    return {"role": item["role"], "content": "".join(texts)}
 
 
 def parse_responses(raw: bytes) -> ResponsesRequest:
@@ -205,6 +197,7 @@ def parse_responses(raw: bytes) -> ResponsesRequest:
     messages: list[dict[str, Any]] | None = []
     unserved = None
     for i, item in enumerate(items):
+        check_input_item(item, i)
         message = _item_message(item, f"input[{i}]")
         if isinstance(message, str):
             messages, unserved = None, unserved or message
