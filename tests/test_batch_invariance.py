@@ -34,7 +34,7 @@ QUESTIONS = [
 TOKENS = 12
 
 
-async def alone_and_together(lm, *, batch_invariant: bool) -> tuple[list[str], list[str]]:
+async def alone_and_together(lm, *, batch_invariant: bool | None) -> tuple[list[str], list[str]]:
     """The 8 questions' greedy answers served one at a time, then all 8 at once, by a engine of 8 slots."""
     engine = EmbeddedEngine(
         {MODEL: lm}, config=engine_config(max_running=8, max_queue=8, batch_invariant=batch_invariant)
@@ -73,9 +73,11 @@ async def test_eight_answers_served_together_equal_each_served_alone(models, dty
 
 
 async def test_the_default_engine_answers_as_alone(smollm):
-    """The default EngineConfig is batch-invariant: the session's shared model (float32 here) served 8 at
-    once answers as alone, its linear layers measured row-invariant."""
-    assert engine_config().batch_invariant
+    """The default EngineConfig is batch-invariant on a CPU ("auto"): the session's shared model (float32
+    here) served 8 at once answers as alone, its linear layers measured row-invariant."""
+    from local_runner.model_step import invariant_by_default
+
+    assert engine_config().batch_invariant is None and invariant_by_default(torch.device("cpu"))
     alone, together = await alone_and_together(smollm, batch_invariant=engine_config().batch_invariant)
     assert smollm.rows_invariant
     assert together == alone

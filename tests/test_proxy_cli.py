@@ -183,7 +183,7 @@ def test_the_served_process_spins_briefly(tmp_path):
     code = (
         "import os, sys\n"
         "from proxy import cli\n"
-        "cli.build = lambda settings: print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules) or None\n"
+        "cli.serving_app = lambda settings: print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules) or None\n"
         "sys.argv = ['attnstore', 'serve', '--settings', sys.argv[1]]\n"
         "sys.exit(cli.main())\n"
     )
