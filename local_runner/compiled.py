@@ -10,8 +10,8 @@ reads the step's metadata from a context set before the call).
 
 Shapes: the number of tokens in a step and of rows whose logits are wanted vary, so both sizes are
 unbacked symbols: one graph serves every step, a lone decoding token included (torch would otherwise
-compile a size of 1 apart). ModelStep compiles it on a thread of its own after start (~30-45 s on
-this 2-core CPU) while jobs run on the eager step. The generated C++ kernels are cached on disk
+compile a size of 1 apart). ModelStep compiles it on a thread of its own after start while jobs run on
+the eager step. The generated C++ kernels are cached on disk
 (`use_cache_dir`), but with frozen weights inductor recompiles the graph's code at every start (its FX
 graph cache skips graphs with frozen constants): docs/benchmarks.md, "What a start costs", has the figures.
 

@@ -14,8 +14,8 @@
 // Arithmetic in float32 whatever the storage type.
 
 // Registered as the operator torch.ops.attnstore.exact_attend (TORCH_LIBRARY, below) with the lightest
-// headers that declare it: torch/extension.h (pybind11 and torch's whole C++ API) alone took 25 of a
-// 38 s build on 2 cores.
+// headers that declare it: torch/extension.h (pybind11 and torch's whole C++ API) would take most of the
+// build's time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -292,9 +292,8 @@ void attend_rows(const T* q, const Pages<T>& pages, const int64_t* jobs, const i
 // A row's bits depend on its query, its keys and this fixed split (never on the other rows of the item,
 // whose extra keys add exact zeros to its sums), and a decoding token is computed by the same
 // instructions as a prompt token: reuse equals recompute. The weights are rounded to bfloat16 for the
-// second product (as torch's flash attention does in bfloat16). Measured against the 8-lane loop on a
-// 2-core Xeon with AMX (2026-12-03): a 512-token chunk after 1,536 tokens 6.2 ms against 24 ms (torch's
-// flash attention 6-8 ms), 16 decoding tokens at 1,000 tokens 0.75 ms against 0.95.
+// second product (as torch's flash attention does in bfloat16). Against the 8-lane loop and torch's
+// flash attention: docs/benchmarks.md, "bfloat16 on AMX".
 constexpr int64_t kTileRows = 16;  // query rows per work item: the tile's rows
 
 // out tiles 0..n-1 (n <= 4, 16 dims each) += A (tile 4: the first `rows` rows matter) x the interleaved

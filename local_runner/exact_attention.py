@@ -5,7 +5,7 @@ chunk's query count, the longest job's length), and a GEMM of 3 rows (one decodi
 that share a K/V head) is computed by another kernel than a GEMM of 6 or more. Either way a token's
 attention output, and so the K/V of every later layer, rounds differently when the token is decoded alone,
 beside other jobs, or inside a prompt chunk of some length; greedy decoding then turns one rounding into
-another answer (FACTS.md: 5 of 8 equal in bfloat16). This module fixes every shape a row's arithmetic
+another answer (docs/engine.md, "Batch invariance"). This module fixes every shape a row's arithmetic
 sees, so a row's bits depend on its own query and keys only:
 
 - keys are read in whole blocks of KEY_BLOCK (64): a row of length L attends over the padded length

@@ -1,8 +1,8 @@
 """The row-invariant CPU kernels (exact_attention.cpp: attention; exact_elementwise.cpp: the step's residual
 adds, norms, rotary and SiLU fused, 4 calls per layer instead of ~25; exact_linear.cpp: bfloat16 linear
 layers on AMX, where the CPU has it): built once per machine with the system's C++
-compiler (torch's cpp_extension, ~20-30 s on 2 cores), kept under the runner's cache folder, loaded in
-milliseconds at later starts.
+compiler (torch's cpp_extension; docs/benchmarks.md, "What a start costs"), kept under the engine's cache
+folder, loaded in milliseconds at later starts.
 
 Why a kernel of our own: a row's rounding must depend on its own query and keys only. torch's attention
 and matrix products choose their blocking by the shape of the whole call (the chunk's length, the batch's
@@ -91,7 +91,7 @@ def build(cache_dir: Path) -> str | None:
             folder.mkdir(parents=True, exist_ok=True)
             started = time.perf_counter()
             if not any(folder.glob("*.so")):
-                log.info("building the exact attention kernel in %s (once per machine, ~30 s)", folder)
+                log.info("building the exact attention kernel in %s (once per machine)", folder)
             # cpp_extension runs `ninja` from PATH: the one installed beside this Python comes first
             os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
             # One build at a time per folder, across processes, by a lock the OS releases when its holder

@@ -1,8 +1,8 @@
 // Row-invariant bfloat16 linear layers on AMX: y = x W^T (+ b), every output element the same sequence
 // of tile instructions over K in blocks of 32 from 0, whatever the number of rows in the call. oneDNN's
 // products switch kernels by the row count (on AMX, past 32 rows: another rounding), so the exact step
-// had to cut a prompt chunk into calls of 32 rows, each streaming every weight again (a 2,000-token
-// prefill spent 0.71 s in the linear layers against 0.32 s for the compiled step's one call per chunk).
+// had to cut a prompt chunk into calls of 32 rows, each streaming every weight again (docs/engine.md,
+// "Batch invariance").
 // Here a weight block is read once per call for all its rows, and a decoding row and a prompt row are
 // computed by the same instructions. Built with exact_attention.cpp into one library; on a CPU without
 // AMX the operators exist but say so (amx_linear_ready) and the layers stay oneDNN's.

@@ -3,7 +3,7 @@
 A key that RoPE put at position p is R(p)·k (times a constant attention scaling for yarn). Rotations
 compose, R(d)·R(p) = R(p + d), so a stored key moves to position p + d by one more rotation by the angle
 d·inv_freq, and the scaling, applied once already, stays as it is: the result equals the key computed at
-p + d up to float rounding (FACTS.md, "Positional decoupling"). Values carry no position and never move.
+p + d up to float rounding (docs/decoupling.md). Values carry no position and never move.
 
 Only what the rotation needs lives here (inv_freq, how many dims rotate, how they pair up); reading those
 from a model is rope_config.py's job.
