@@ -73,10 +73,9 @@ class StreamResult:
     ttft_s: float
 
 
-async def one_stream(
-    http: aiohttp.ClientSession, url: str, model: str, content: str, max_tokens: int
-) -> StreamResult:
-    body = {
+def stream_request(model: str, content: str, max_tokens: int) -> dict:
+    """One greedy streamed chat of exactly `max_tokens` tokens (ignore_eos), its usage at the end."""
+    return {
         "model": model,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
@@ -85,6 +84,12 @@ async def one_stream(
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
+
+
+async def one_stream(
+    http: aiohttp.ClientSession, url: str, model: str, content: str, max_tokens: int
+) -> StreamResult:
+    body = stream_request(model, content, max_tokens)
     started = time.monotonic()
     first: float | None = None
     tokens = 0

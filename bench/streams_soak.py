@@ -44,6 +44,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from .streams import stream_request
+
 MODEL = "smollm2-135m-instruct"
 
 
@@ -79,15 +81,7 @@ class Soak:
 
 
 async def one_stream(http: aiohttp.ClientSession, url: str, content: str, tokens: int) -> Stream:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": tokens,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = stream_request(MODEL, content, tokens)
     started = time.monotonic()
     first: float | None = None
     last = started
