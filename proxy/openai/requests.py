@@ -26,6 +26,9 @@ class ApiRequest:
     include_usage: bool
     turn: int  # the log line's turn: user messages before the last one (0 for a completion)
     body_modified: bool = False
+    # How long the client asks for this session's KV to be kept (OpenAI's `prompt_cache_retention`,
+    # Anthropic's `cache_control.ttl`), in seconds; None: no hint. The store's retention reads it.
+    retention_hint_s: float | None = None
 
     def upstream_bytes(self) -> bytes:
         return orjson.dumps(self.body) if self.body_modified else self.raw

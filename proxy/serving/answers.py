@@ -80,6 +80,11 @@ class Answer:
     def failure(self, message: str) -> bytes:
         return sse_error(message)
 
+    def ended_in_tool_calls(self) -> bool:
+        """Whether the answer hands the turn to a tool (the agent will come back with its result): the
+        store then retains the session's KV through the wait."""
+        return False
+
     def body(self, total: Finished) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -116,6 +121,9 @@ class ChatAnswer(Answer):
         self.include_usage = include_usage
         self.choices = [_Choice(tools() if tools is not None else None) for _ in range(n)]
         self.decode = decode  # set when logprobs were asked for
+
+    def ended_in_tool_calls(self) -> bool:
+        return any(c.tools is not None and c.tools.calls for c in self.choices)
 
     def _chunk(self, index: int, delta: dict[str, Any], reason: str | None = None, **kw: Any) -> bytes:
         return chat_wire.chunk(self.ids, delta, reason, index=index, include_usage=self.include_usage, **kw)
