@@ -27,7 +27,7 @@ class StoreConfig:
     device: str | torch.device = "cpu"
     async_save: bool = True  # False: put() writes L2 before returning
     save_workers: int = 1
-    save_queue_chunks: int = 32  # bounded queue; put() blocks (back-pressure) when full
+    save_queue_chunks: int = 32  # bounded queue; a chunk put() cannot queue is not written (saving.py)
     load_workers: int = 4  # load() threads the store owns; more loads at once wait their turn
     read_workers: int = 8  # threads reading a load's disk chunks in parallel
     # Where a turn's new KV and what a load read stay in memory: "ttft_priority" keeps them in L0, ready

@@ -1,7 +1,8 @@
 """A small pool of save threads behind a bounded queue.
 
-The queue bound is the back-pressure: when the disk falls behind, `submit` blocks the caller instead
-of letting unsaved chunks pile up in memory. What a save does is the store's business (a callback).
+The queue bound keeps unsaved chunks from piling up in memory when the disk falls behind; `submit`
+never blocks (its caller ends a turn: the turn must not wait for the disk) and says whether the job was
+taken. What a save does, and what a refused one means, is the store's business (a callback).
 """
 
 from __future__ import annotations
@@ -28,9 +29,13 @@ class SavePool(Generic[T]):
         for t in self._threads:
             t.start()
 
-    def submit(self, job: T) -> None:
-        """Enqueue a job; blocks while the queue is full."""
-        self._queue.put(job)
+    def submit(self, job: T) -> bool:
+        """Enqueue a job; False (and nothing queued) when the queue is full."""
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            return False
+        return True
 
     def _run(self) -> None:
         while True:

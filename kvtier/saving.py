@@ -1,6 +1,8 @@
 """Saving to the persistent tier: the response never waits for the disk. put() reserves a place and
-hands the chunk to a bounded pool of save threads (back-pressure when the disk falls behind), or, with
-async_save off, writes the batch before returning. A full disk pauses saving (serving goes on from
+hands the chunk to a bounded pool of save threads, or, with async_save off, writes the batch before
+returning. When the disk falls behind and the pool's queue is full, the chunk is not written (it stays
+in the memory tiers that hold it, counted in `saves_skipped`): a turn's end, and with it the client's
+answer and the step's freed pages, never waits for the disk, and unsaved chunks never pile up in memory. A full disk pauses saving (serving goes on from
 memory) and saving tries again after a back-off that doubles from `disk_full_backoff_s` up to 60 s
 while the disk stays full.
 """
@@ -23,6 +25,8 @@ log = logging.getLogger(__name__)
 
 # Each further ENOSPC doubles the pause up to this cap.
 DISK_FULL_BACKOFF_MAX_S = 60.0
+# Skipped saves (a full save queue) are logged at most this often: a slow disk skips many.
+SKIP_LOG_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class Saving:
         self.pending = 0  # saves reserved and not done yet (under the lock)
         self._paused_until = 0.0  # time.monotonic() before which saving is paused (a full disk)
         self._backoff = 0.0  # the current pause after a full disk; 0 while writes succeed
+        self._skip_log_at = 0.0  # time.monotonic() before which a skipped save is not logged again
         config = core.config
         self._pool: SavePool[Save] | None = (
             SavePool(config.save_workers, config.save_queue_chunks, self._write_one)
@@ -62,12 +67,29 @@ class Saving:
         return Save(entry, data)
 
     def submit(self, saves: list[Save]) -> None:
-        """Without the lock: write reserved chunks (blocks while the save queue is full)."""
-        if self._pool is not None:
-            for save in saves:
-                self._pool.submit(save)
-        elif saves:
-            self._write_batch(saves)
+        """Without the lock: write reserved chunks (queued; a chunk the full queue cannot take is skipped,
+        its reservation undone)."""
+        if self._pool is None:
+            if saves:
+                self._write_batch(saves)
+            return
+        skipped = [save for save in saves if not self._pool.submit(save)]
+        if not skipped:
+            return
+        with self._core.lock:
+            for _ in skipped:
+                self._core.counters.save_skipped()
+            total = self._core.counters.saves_skipped
+        now = time.monotonic()
+        if now >= self._skip_log_at:  # one line a minute at most while the disk stays behind
+            self._skip_log_at = now + SKIP_LOG_INTERVAL_S
+            log.warning(
+                "kvtier: the L2 save queue is full (the disk is behind): chunks are kept in memory only "
+                "(%d skipped so far)",
+                total,
+            )
+        for save in skipped:
+            self._done(save, None)
 
     def _to_write(self, save: Save) -> tuple[ChunkId, ChunkKV] | None:
         """With the lock held: what to write, or None (saving paused, or the chunk was forgotten)."""

@@ -24,6 +24,7 @@ class Counters:
     bytes_loaded: int = 0  # KV bytes handed to callers by load()
     bytes_saved: int = 0  # KV bytes written to L2 files
     save_errors: int = 0
+    saves_skipped: int = 0  # chunks not written to L2 because the save queue was full (kept in memory only)
     reused_tokens: dict[str, int] = field(default_factory=_per_tier)  # matched tokens, by their chunk's tier
     prefetch_issued: int = 0  # chunks a prefetch set out to bring up
     prefetch_completed: int = 0  # of those, placed in a memory tier
@@ -54,6 +55,9 @@ class Counters:
 
     def save_failed(self) -> None:
         self.save_errors += 1
+
+    def save_skipped(self) -> None:
+        self.saves_skipped += 1
 
     def file_quarantined(self) -> None:
         self.quarantined += 1
@@ -90,6 +94,7 @@ class StoreStats:
     bytes_saved: int
     saves_pending: int
     save_errors: int
+    saves_skipped: int
     saving_enabled: bool
     load_errors: int
     quarantined: int

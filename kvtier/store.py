@@ -233,7 +233,7 @@ class KVStore:
                     core.index.remove(entry.key)
         core.run_copies(copies)
         core.backing.delete(deletes)
-        self._saving.submit(saves)  # blocks when the save queue is full: back-pressure
+        self._saving.submit(saves)  # never blocks: a save the full queue cannot take is skipped
         return result
 
     def _have(self, chunk: ChunkId, result: list[str], i: int) -> bool:
@@ -297,6 +297,7 @@ class KVStore:
                 bytes_saved=c.bytes_saved,
                 saves_pending=self._saving.pending,
                 save_errors=c.save_errors,
+                saves_skipped=c.saves_skipped,
                 saving_enabled=self._saving.enabled,
                 load_errors=c.load_errors,
                 quarantined=c.quarantined,

@@ -84,6 +84,11 @@ class _StoreCollector(Collector):
         pending = GaugeMetricFamily(
             "attnstore_saves_pending", "L2 writes queued or running", labels=["model"]
         )
+        skipped = CounterMetricFamily(
+            "attnstore_saves_skipped",
+            "Chunks not written to L2 because its save queue was full (the disk behind)",
+            labels=["model"],
+        )
         reused = CounterMetricFamily(
             "attnstore_store_reused_tokens",
             "Matched prompt tokens by the tier their KV came from",
@@ -106,11 +111,25 @@ class _StoreCollector(Collector):
             loaded.add_metric([model], s.get("bytes_loaded", 0))
             saved.add_metric([model], s.get("bytes_saved", 0))
             pending.add_metric([model], s.get("saves_pending", 0))
+            skipped.add_metric([model], s.get("saves_skipped", 0))
             for tier, n in s.get("reused_tokens", {}).items():
                 reused.add_metric([model, tier], n)
             for outcome in ("issued", "completed", "used", "wasted"):
                 prefetch.add_metric([model, outcome], s.get(f"prefetch_{outcome}", 0))
-        yield from (used, cap, entries, hits, misses, evictions, loaded, saved, pending, reused, prefetch)
+        yield from (
+            used,
+            cap,
+            entries,
+            hits,
+            misses,
+            evictions,
+            loaded,
+            saved,
+            pending,
+            skipped,
+            reused,
+            prefetch,
+        )
 
 
 class Metrics:

@@ -430,22 +430,27 @@ def test_stats_shape_is_json(tmp_path):
 # ---- saving in the background, concurrency ---------------------------------------------------------
 
 
-def test_bounded_save_queue_applies_back_pressure(tmp_path):
+def test_a_full_save_queue_skips_saves_and_never_blocks_put(tmp_path):
+    """A disk behind (the only save worker held in its write, a queue of one): put() returns at once,
+    the chunks the queue could not take are counted and left out of L2, served from memory still."""
     gate, writing = threading.Event(), threading.Event()  # holds the only save worker inside its write
     gated = own(GatedFileTier, gate=gate, writing=writing)
     s = make(tmp_path, async_save=True, save_queue_chunks=1, save_workers=1, tiers={"l2": gated})
-    t = threading.Thread(target=s.put, args=("t", toks(16), kv(16)))  # 4 chunks > 1 worker + 1 queued
-    t.start()
     try:
+        s.put("t", toks(CHUNK), kv(CHUNK))  # one chunk: the worker takes it and waits at the gate
         assert writing.wait(10)
-        assert s.stats().saves_pending == 4  # every chunk reserved its L2 place before queueing
-        t.join(0.1)
-        assert t.is_alive()  # the worker is gated and the queue full: put() cannot return
+        s.put("t", toks(CHUNK, 500), kv(CHUNK))  # one chunk: queued
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (s.put("t", toks(4 * CHUNK, 1000), kv(4 * CHUNK)), done.set()))
+        t.start()  # 4 more chunks: the queue is full, none can wait for a place
+        assert done.wait(10)  # put() did not wait for the gated disk
+        stats = s.stats()
+        assert (stats.saves_skipped, stats.saves_pending) == (4, 2)
+        assert s.lookup("t", toks(4 * CHUNK, 1000)).tokens == 4 * CHUNK  # still served from memory
     finally:
         gate.set()
-    t.join()
     s.flush()
-    assert s.stats().saves_pending == 0 and len(files(tmp_path)) == 4
+    assert s.stats().saves_pending == 0 and len(files(tmp_path)) == 2
     s.close()
 
 
