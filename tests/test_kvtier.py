@@ -473,7 +473,11 @@ def test_a_session_forgotten_while_its_save_is_written_stays_forgotten(tmp_path)
 
 
 def test_concurrent_put_and_get(tmp_path):
-    s = make(tmp_path, l0=6 * CB, l1=6 * CB, l2=40 * CB, async_save=True, save_workers=2, save_queue_chunks=4)
+    """Four threads put, look up and load at once through memory tiers far smaller than what they put:
+    every load is exact and no tier overflows. The save queue holds every chunk the test makes, so each
+    chunk evicted from memory is in L2 (a chunk whose save a full queue skipped lives in memory only
+    and may be evicted between lookup and acquire; the skip test covers that)."""
+    s = make(tmp_path, l0=6 * CB, l1=6 * CB, l2=40 * CB, async_save=True, save_workers=2, save_queue_chunks=64)
     errors: list[BaseException] = []
 
     def worker(w: int) -> None:
@@ -501,6 +505,7 @@ def test_concurrent_put_and_get(tmp_path):
         t.join()
     assert errors == []
     s.flush()
+    assert s.stats().saves_skipped == 0
     assert s.forget_session("ns0", "s0") > 0
     s.close()
 
