@@ -10,6 +10,8 @@ class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
+    # Only the k most likely tokens are sampled from (Anthropic's `top_k`, vLLM's extension); 0: all.
+    top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     # vLLM's extension, for benchmarks and tests that need answers of a fixed length: decode on past the

@@ -69,6 +69,9 @@ class Finished:
     completion_tokens: int
     reused_tokens: int
     chunk_keys: list[str] = field(default_factory=list)  # the conversation's KV chunks, for the session index
+    # The stop string that ended the answer (finish_reason "stop"), None when it ended otherwise (its
+    # end-of-sequence token, a grammar's end): Anthropic's `stop_sequence` names it.
+    stop_sequence: str | None = None
 
 
 @dataclass

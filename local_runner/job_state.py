@@ -367,6 +367,7 @@ class JobState:
                     completion_tokens=len(self.generated),
                     reused_tokens=self.reused,
                     chunk_keys=keys,
+                    stop_sequence=self.text.stop_sequence,
                 )
             )
         self.status = Status.DONE

@@ -1,4 +1,4 @@
-"""Next-token choice: greedy at temperature 0, else temperature + nucleus (top_p) sampling; before it the
+"""Next-token choice: greedy at temperature 0, else temperature, top-k and nucleus (top_p) sampling; before it the
 logits processors OpenAI's options ask for (logit_bias, presence and frequency penalties) and the
 grammar mask of constrained decoding (xgrammar); after it, the token's log-probabilities when asked.
 
@@ -149,6 +149,9 @@ class Sampler:
         scaled = logits.float().cpu() / p.temperature
         if torch.isinf(scaled.max()):  # a temperature so close to 0 the division overflows: its limit
             return int(torch.argmax(logits))
+        if 0 < p.top_k < scaled.numel():
+            kth = torch.topk(scaled, p.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)

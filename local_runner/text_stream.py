@@ -26,6 +26,7 @@ class TextStream:
         self._read_offset = 0
         self._emitted = 0  # characters of the decoded text already sent
         self.stopped = False
+        self.stop_sequence: str | None = None  # the stop string that ended the text, once one has
 
     @property
     def text(self) -> str:
@@ -57,7 +58,7 @@ class TextStream:
             # Only a match that ends in the unsent tail can be new.
             at = text.find(stop, max(0, self._emitted - len(stop) + 1))
             if at != -1:
-                self.stopped = True
+                self.stopped, self.stop_sequence = True, stop
                 return self._take(text, at)
         # An incomplete character never reaches the text (_advance waits for its other bytes).
         return self._take(text, len(text) - self._holdback)

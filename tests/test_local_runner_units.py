@@ -201,6 +201,7 @@ def test_text_stream_holds_back_a_possible_stop_and_cuts_at_it():
         if stream.stopped:
             break
     assert stream.stopped and sent == "one "
+    assert stream.stop_sequence == "two."  # Anthropic's stop_sequence names it
     assert stream.finish() == ""
 
 

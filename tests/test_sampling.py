@@ -40,3 +40,11 @@ def test_a_temperature_too_close_to_zero_to_divide_by_is_its_limit_greedy():
         assert Sampler(SamplingParams(temperature=temperature, seed=1))(logits) == 1
     negative = torch.tensor([-5.0, -1.0, -3.0])
     assert Sampler(SamplingParams(temperature=1e-300, seed=1))(negative) == 1
+
+
+def test_top_k_samples_only_among_the_k_likeliest_tokens():
+    logits = torch.tensor([2.0, 1.9, 1.8, 1.7, 0.0])
+    chosen = {Sampler(SamplingParams(temperature=1.0, top_k=2, seed=s))(logits) for s in range(40)}
+    assert chosen == {0, 1}
+    everything = {Sampler(SamplingParams(temperature=1.0, seed=s))(logits) for s in range(40)}
+    assert len(everything) > 2  # without top_k the others are drawn too

@@ -156,6 +156,10 @@ def test_dtype_auto_is_float32_only_on_a_cpu_without_bfloat16_arithmetic(monkeyp
 def test_vllms_stream_reads_as_deltas_finish_and_usage():
     assert parse_event(b'data: {"choices":[{"text":"Hi","finish_reason":null}]}\n') == [Delta("Hi")]
     assert parse_event(b'data: {"choices":[{"text":"","finish_reason":"length"}]}') == [Finish("length")]
+    stopped = b'data: {"choices":[{"text":"","finish_reason":"stop","stop_reason":"END"}]}'
+    assert parse_event(stopped) == [Finish("stop", "END")]  # the stop string that matched
+    eos = b'data: {"choices":[{"text":"","finish_reason":"stop","stop_reason":2}]}'
+    assert parse_event(eos) == [Finish("stop")]  # a stop token id is no stop sequence
     assert parse_event(b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}') == [
         TokenUsage(5, 2)
     ]

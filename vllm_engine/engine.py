@@ -152,7 +152,7 @@ class VllmEngine:
         """vLLM's stream as the engine's events: FirstToken when its first chunk arrives (with the
         store's report), then text, then Finished with the keys the store saved for the turn."""
         first: FirstToken | None = None
-        reason, usage = "stop", TokenUsage(0, 0)
+        reason, usage, stop_sequence = "stop", TokenUsage(0, 0), None
         try:
             async for item in stream:
                 if first is None:
@@ -161,7 +161,7 @@ class VllmEngine:
                 if isinstance(item, Delta):
                     yield TextDelta(item.text, _top(item.logprobs, gen.sampling.logprobs))
                 elif isinstance(item, Finish):
-                    reason = item.reason
+                    reason, stop_sequence = item.reason, item.stop_sequence
                 elif isinstance(item, TokenUsage):
                     usage = item
                 elif isinstance(item, StreamError):
@@ -176,7 +176,14 @@ class VllmEngine:
             first = await self._first_token(model, turn_id, time.monotonic())
             yield first
         keys = await self._saved_keys(model, turn_id) if gen.reuse else []
-        yield Finished(reason, usage.prompt_tokens, usage.completion_tokens, first.reused_tokens, keys)
+        yield Finished(
+            reason,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            first.reused_tokens,
+            keys,
+            stop_sequence=stop_sequence,
+        )
 
     async def _hit_at_full_queue(self, model: ServedModel, gen: GenerationRequest) -> bool:
         """At a full queue a turn whose prompt is at least half stored still runs here (cheap); vLLM
@@ -229,6 +236,8 @@ def _sampling_extras(sampling: SamplingParams) -> dict[str, Any]:
         "presence_penalty": sampling.presence_penalty,
         "frequency_penalty": sampling.frequency_penalty,
     }
+    if sampling.top_k:
+        extras["top_k"] = sampling.top_k
     if sampling.logit_bias:
         extras["logit_bias"] = {str(t): b for t, b in sampling.logit_bias.items()}
     if sampling.logprobs is not None:

@@ -25,6 +25,7 @@ class Delta:
 @dataclass(frozen=True)
 class Finish:
     reason: str  # "stop" or "length"
+    stop_sequence: str | None = None  # the stop string that ended it (vLLM's `stop_reason`, when a string)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,13 @@ def parse_event(line: bytes) -> list[StreamItem]:
         if choice.get("text") or logprobs:
             events.append(Delta(choice.get("text") or "", logprobs))
         if choice.get("finish_reason"):
-            events.append(Finish("length" if choice["finish_reason"] == "length" else "stop"))
+            matched = choice.get("stop_reason")
+            events.append(
+                Finish(
+                    "length" if choice["finish_reason"] == "length" else "stop",
+                    matched if isinstance(matched, str) else None,  # an int: a stop token id
+                )
+            )
     usage = body.get("usage")
     if usage:
         events.append(TokenUsage(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))))

@@ -186,6 +186,17 @@ def _logprobs(req: ApiRequest) -> int | None:
     return (top or 0) if wanted else None
 
 
+def _top_k(body: dict[str, Any]) -> int:
+    """`top_k` (Anthropic's, and vLLM's extension of OpenAI's): sample from the k likeliest tokens; 0 or
+    absent: from all."""
+    value = body.get("top_k")
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise bad_request("'top_k' must be a non-negative integer.", param="top_k")
+    return value
+
+
 def sampling_params(req: ApiRequest, default_max_tokens: int, *, vocab: int) -> SamplingParams:
     """Validated sampling settings; OpenAI's defaults (temperature 1, top_p 1) where absent. The
     grammar (tools, response_format) is the caller's to add."""
@@ -201,6 +212,7 @@ def sampling_params(req: ApiRequest, default_max_tokens: int, *, vocab: int) -> 
         ignore_eos=ignore_eos,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=_top_k(body),
         seed=seed,
         stop=[] if isinstance(req, ResponsesRequest) else _stops(body),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
