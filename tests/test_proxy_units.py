@@ -61,6 +61,39 @@ def test_outbound_headers_never_pass_a_proxy_key_upstream(make_settings, keys):
     assert dict(out) == {"OpenAI-Organization": "org"}
 
 
+ANTHROPIC_CLIENT = {"x-api-key": "client", "anthropic-version": "2023-06-01", "anthropic-beta": "b"}
+
+
+def test_the_upstream_key_goes_where_the_clients_api_sends_keys(make_settings, monkeypatch):
+    """x-api-key for a client that sent one (Anthropic's SDK), and on /v1/messages without a client
+    key; Authorization elsewhere; the anthropic-* headers pass; never a client key next to it."""
+    settings = make_settings()
+    assert dict(outbound_headers(ANTHROPIC_CLIENT, settings, "upstream", "/v1/messages")) == ANTHROPIC_CLIENT
+    monkeypatch.setenv("ATTNSTORE_TEST_UPSTREAM_KEY", "upstream-key")
+    out = outbound_headers(ANTHROPIC_CLIENT, settings, "upstream", "/v1/messages")
+    assert dict(out) == {**ANTHROPIC_CLIENT, "x-api-key": "upstream-key"}
+    bare = outbound_headers({}, settings, "upstream", "/v1/messages/count_tokens")
+    assert dict(bare) == {"x-api-key": "upstream-key"}
+    assert dict(outbound_headers({}, settings, "upstream", "/v1/chat/completions")) == {
+        "Authorization": "Bearer upstream-key"
+    }
+    both = outbound_headers({"Authorization": "Bearer c", "x-api-key": "c"}, settings, "upstream", "/v1/x")
+    assert dict(both) == {"Authorization": "Bearer upstream-key"}
+
+
+def test_a_proxy_key_in_x_api_key_never_goes_upstream(make_settings):
+    out = outbound_headers(ANTHROPIC_CLIENT, make_settings(proxy={"api_keys": ["client"]}), "upstream")
+    assert "x-api-key" not in {k.lower() for k in out} and out["anthropic-version"] == "2023-06-01"
+
+
+def test_x_api_key_authenticates_and_names_the_same_tenant_as_a_bearer_key():
+    check_client_auth({"x-api-key": "k1"}, ["k1"])
+    with pytest.raises(APIError) as refused:
+        check_client_auth({"x-api-key": "nope"}, ["k1"])
+    assert refused.value.status == 401
+    assert tenant_of({"x-api-key": "k1"}) == tenant_of({"Authorization": "Bearer k1"}) != "anonymous"
+
+
 def test_outbound_headers_to_a_replica_keep_the_key_and_the_session(make_settings, monkeypatch):
     monkeypatch.setenv("ATTNSTORE_TEST_UPSTREAM_KEY", "upstream-key")
     settings = make_settings(proxy={"api_keys": ["client"], "replica_id": "r1"})

@@ -23,7 +23,7 @@ async def _upstream_models(request: web.Request) -> list[dict[str, Any]]:
     if not settings.llm_endpoint.base_url:
         return []
     url = upstream_url(settings.llm_endpoint.base_url, "/v1/models")
-    headers = outbound_headers(request.headers, settings, "upstream")
+    headers = outbound_headers(request.headers, settings, "upstream", request.path)
     timeout = aiohttp.ClientTimeout(total=settings.proxy.models_timeout_s)
     try:
         async with request.app[HTTP_CLIENT].get(url, headers=headers, timeout=timeout) as resp:

@@ -1,4 +1,7 @@
-"""Who is calling: tenant id = short sha256 of the bearer key (or "anonymous"); optional client auth.
+"""Who is calling: tenant id = short sha256 of the client's key (or "anonymous"); optional client auth.
+
+A client's key comes as OpenAI's clients send it (`Authorization: Bearer <key>`) or as Anthropic's do
+(`x-api-key: <key>`); the same key is the same tenant either way, so one client may use both APIs.
 
 Without `proxy.api_keys` every caller is the tenant "anonymous" and shares its stored KV: a second
 client sending the same messages learns (reused tokens, `cached_tokens`) that someone sent them. That is
@@ -16,16 +19,22 @@ from ..errors import APIError
 ANONYMOUS = "anonymous"
 
 
-def bearer_key(headers: Mapping[str, str]) -> str | None:
+API_KEY_HEADER = "x-api-key"  # Anthropic's clients send their key here
+
+
+def client_key(headers: Mapping[str, str]) -> str | None:
+    """The caller's key: `Authorization: Bearer <key>`, else `x-api-key: <key>`; None without one."""
     auth = headers.get("Authorization", "")
     scheme, _, key = auth.partition(" ")
     key = key.strip()
-    return key if scheme.lower() == "bearer" and key else None
+    if scheme.lower() == "bearer" and key:
+        return key
+    return headers.get(API_KEY_HEADER, "").strip() or None
 
 
 def tenant_of(headers: Mapping[str, str]) -> str:
     """A stable, non-reversible id for the caller's key; the key itself is never stored or logged."""
-    key = bearer_key(headers)
+    key = client_key(headers)
     if key is None:
         return ANONYMOUS
     return hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -42,12 +51,12 @@ def _matches(key: str, keys: Sequence[str]) -> bool:
 def check_client_auth(
     headers: Mapping[str, str], api_keys: Sequence[str], admin_keys: Sequence[str] = ()
 ) -> None:
-    """Raise a 401 OpenAI error unless no key is configured or the bearer key is a client or admin key."""
+    """Raise a 401 unless no key is configured or the caller's key is a client or admin key."""
     if not api_keys and not admin_keys:
         return
-    key = bearer_key(headers)
+    key = client_key(headers)
     if key is None:
-        raise APIError(401, "Missing bearer API key (Authorization: Bearer <key>).", code="invalid_api_key")
+        raise APIError(401, "Missing API key (Authorization: Bearer <key>, or x-api-key: <key>).", code="invalid_api_key")
     if not _matches(key, [*api_keys, *admin_keys]):
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
@@ -56,5 +65,5 @@ def is_admin(headers: Mapping[str, str], api_keys: Sequence[str], admin_keys: Se
     """Whether the caller sees every tenant: an admin key, or no keys configured at all (one user)."""
     if not api_keys and not admin_keys:
         return True
-    key = bearer_key(headers)
+    key = client_key(headers)
     return key is not None and _matches(key, admin_keys)

@@ -204,7 +204,7 @@ def _upload(request: web.Request, body: bytes | None, settings: Settings) -> Str
 
 
 def _request_headers(request: web.Request, body: bytes | None, settings: Settings) -> CIMultiDict[str]:
-    headers = outbound_headers(request.headers, settings, "upstream")
+    headers = outbound_headers(request.headers, settings, "upstream", request.path)
     if body is not None:
         headers.setdefault("Content-Type", "application/json")
     elif request.content_length is not None:

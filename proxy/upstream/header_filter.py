@@ -7,10 +7,13 @@ What a client's headers lose on the way out:
 - always: hop-by-hop headers (and any the client's `Connection` names), `Host`, `Content-Length` (the
   client library sets them for the new connection; a body streamed up verbatim gets its length back,
   see `upstream`), `Expect`;
-- to the upstream: `X-Session-Id` (the proxy's own), and the client's `Authorization` when the proxy
-  authenticates clients (`proxy.api_keys` or `proxy.admin_keys`): that key is for this proxy only, no
-  client credential reaches the upstream. The key that `llm_endpoint.api_key_env` names, when set,
-  takes its place; a proxy that does not authenticate clients passes the client's own key through;
+- to the upstream: `X-Session-Id` (the proxy's own), and the client's key (`Authorization`, or
+  Anthropic's `x-api-key`) when the proxy authenticates clients (`proxy.api_keys` or
+  `proxy.admin_keys`): that key is for this proxy only, no client credential reaches the upstream. The
+  key that `llm_endpoint.api_key_env` names, when set, takes its place, in the header the client's
+  API sends keys in: the one the client used, else `x-api-key` on Anthropic's paths (`/v1/messages*`)
+  and `Authorization: Bearer` elsewhere. A proxy that does not authenticate clients and has no
+  upstream key passes the client's own key through;
 - to another replica: nothing more. The owner authenticates the same key and derives the same tenant;
   the request is marked `X-AttentionStore-Forwarded-By` (one hop at most).
 
@@ -27,6 +30,7 @@ from multidict import CIMultiDict
 from ..settings import Settings, replica_id
 from ..turns.headers import FORWARDED_BY
 from ..turns.session import SESSION_HEADER
+from ..turns.tenant import API_KEY_HEADER
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -50,6 +54,8 @@ _DROP_TO_UPSTREAM = _DROP_ALWAYS | {SESSION_HEADER.lower()}
 _DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
 
 Destination = Literal["upstream", "replica"]
+_KEY_HEADERS = frozenset({"authorization", API_KEY_HEADER})
+ANTHROPIC_PATHS = "/v1/messages"  # a path that starts so is Anthropic's API: keys go in x-api-key
 
 
 def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
@@ -61,18 +67,31 @@ def authenticates_clients(settings: Settings) -> bool:
     return bool(settings.proxy.api_keys or settings.proxy.admin_keys)
 
 
-def outbound_headers(client: Mapping[str, str], settings: Settings, to: Destination) -> CIMultiDict[str]:
-    """The client's headers for a call to `to` on its behalf (see the module's docstring)."""
+def _key_header(client: Mapping[str, str], path: str) -> str:
+    """Where the upstream's key goes: the header the client sent its key in, else the one the path's
+    API takes (Anthropic's x-api-key, OpenAI's Authorization)."""
+    sent = {k.lower() for k in client} & _KEY_HEADERS
+    if sent == {API_KEY_HEADER} or (not sent and path.startswith(ANTHROPIC_PATHS)):
+        return API_KEY_HEADER
+    return "Authorization"
+
+
+def outbound_headers(
+    client: Mapping[str, str], settings: Settings, to: Destination, path: str = ""
+) -> CIMultiDict[str]:
+    """The client's headers for a call to `to` on its behalf, for the request path `path` (see the
+    module's docstring)."""
     drop = (_DROP_TO_UPSTREAM if to == "upstream" else _DROP_ALWAYS) | _connection_tokens(client)
-    if to == "upstream" and authenticates_clients(settings):
-        drop = drop | {"authorization"}
+    upstream_key = settings.upstream_api_key if to == "upstream" else None
+    if to == "upstream" and (upstream_key or authenticates_clients(settings)):
+        drop = drop | _KEY_HEADERS
     out: CIMultiDict[str] = CIMultiDict((k, v) for k, v in client.items() if k.lower() not in drop)
     if to == "replica":
         out[FORWARDED_BY] = replica_id(settings)
         return out
-    upstream_key = settings.upstream_api_key
     if upstream_key:
-        out["Authorization"] = f"Bearer {upstream_key}"
+        header = _key_header(client, path)
+        out[header] = upstream_key if header == API_KEY_HEADER else f"Bearer {upstream_key}"
     return out
 
 
