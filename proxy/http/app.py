@@ -21,7 +21,15 @@ from .middleware import error_middleware
 from .routes_misc import healthz, list_models
 from .routes_passthrough import PASSTHROUGH_PATH, pass_through
 from .routes_store import delete_session, metrics, stats, stats_by_model
-from .routes_turns import chat_completions, completions, create_response, delete_response, get_response
+from .routes_turns import (
+    chat_completions,
+    completions,
+    count_tokens,
+    create_response,
+    delete_response,
+    get_response,
+    messages,
+)
 from .server_log import install_bad_request_log
 
 if TYPE_CHECKING:  # torch and transformers load only when the local runner is enabled
@@ -100,6 +108,8 @@ def build_app(
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", create_response)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/v1/models", list_models)

@@ -1,7 +1,8 @@
 """The one middleware: client auth (the only check, on everything but /healthz), every error as an OpenAI
-error object (nothing a client sends is a 5xx), and every turn request (chat, completions, responses)
-opened and finished as a `Turn`, so its answer carries the X-AttentionStore-* headers and it logs one line,
-errors included."""
+error object (Anthropic's on its paths, /v1/messages*, so its SDK raises the right exception; nothing a
+client sends is a 5xx), and every turn request (chat, completions, responses, messages) opened and
+finished as a `Turn`, so its answer carries the X-AttentionStore-* headers and it logs one line, errors
+included."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from ..anthropic.messages import PATH_PREFIX as ANTHROPIC_PATH_PREFIX
+from ..anthropic.messages import error_bytes
 from ..errors import APIError, error_response
 from ..metrics import METRICS
 from ..settings import SETTINGS, replica_id
@@ -19,7 +22,7 @@ from ..turns.turn import TURN, Turn
 log = logging.getLogger("attnstore")
 
 # The turn endpoints: served locally with reuse, or upstream, each request with its turn's headers.
-TURN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+TURN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 UNAUTHENTICATED_PATHS = frozenset({"/healthz"})
 
 
@@ -58,7 +61,15 @@ async def _answer(request: web.Request, handler: Handler, turn: Turn | None = No
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         error = APIError(500, "Internal error in the proxy.", type_="server_error")
-    response = error_response(error)
+    response = _error_answer(request, error)
     if turn is not None:
         turn.tag(response)
     return response
+
+
+def _error_answer(request: web.Request, error: APIError) -> web.Response:
+    """The error in the shape of the API the path belongs to."""
+    if not request.path.startswith(ANTHROPIC_PATH_PREFIX):
+        return error_response(error)
+    status, body = error_bytes(error)
+    return web.Response(status=status, body=body, content_type="application/json", headers=error.headers)

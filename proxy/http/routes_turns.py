@@ -1,5 +1,5 @@
-"""The turn endpoints: POST /v1/chat/completions, /v1/completions and /v1/responses (with GET and
-DELETE /v1/responses/{id}). Each parses its body, resolves tenant and session, and routes the turn:
+"""The turn endpoints: POST /v1/chat/completions, /v1/completions, /v1/responses (with GET and
+DELETE /v1/responses/{id}) and Anthropic's /v1/messages (with /v1/messages/count_tokens). Each parses its body, resolves tenant and session, and routes the turn:
 served locally (the serving layer, either engine) or upstream.
 
 The request's `Turn` (opened by the middleware) learns who is asking and where the turn goes; whoever
@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from ..anthropic.requests import messages_fingerprint, parse_messages
 from ..cluster.forwarding import FORWARDER
 from ..cluster.session_index import SESSION_INDEX
 from ..errors import APIError
@@ -88,6 +89,32 @@ async def completions(request: web.Request) -> web.StreamResponse:
     session = _session(request, req, lambda: completion_fingerprint(req.model, req))
     request[TURN].identify(session=session, tenant=tenant_of(request.headers), turn=0)
     return await _route(request, req)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """An Anthropic Messages turn, served as chat is (the same serving layer and reuse) and answered in
+    Anthropic's shape; without a session id, its session is the fingerprint of its model, system prompt
+    and first user message."""
+    req = parse_messages(await _read(request))
+    session = _session(request, req, lambda: messages_fingerprint(req.body))
+    request[TURN].identify(session=session, tenant=tenant_of(request.headers), turn=req.turn)
+    return await _route(request, req)
+
+
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    """Anthropic's count_tokens: for a local model, the prompt tokens its turn would have (the same
+    rendering: input_tokens + cache_read + cache_creation of that turn's usage); for any other model,
+    the upstream's answer."""
+    req = parse_messages(await _read(request), count_only=True)
+    _session(request, req, lambda: "")  # the session field never goes upstream; counting needs none
+    backend = request.app[LOCAL_BACKEND]
+    route = choose_route(request.app[SETTINGS], req, backend)
+    if route.kind == "local" and backend is not None:
+        body = {"input_tokens": await backend.count_prompt_tokens(req)}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+    if route.kind == "upstream":
+        return await forward_upstream(request, body=req.upstream_bytes(), turn=None)
+    raise APIError(400, f"Cannot serve this request: {route.reason}.", param="model")
 
 
 def _responses(request: web.Request) -> ResponseStore:

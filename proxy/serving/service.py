@@ -31,6 +31,8 @@ from engine_api.prompt import PromptFormat, RenderedPrompt, render_prompt
 from engine_api.turn import Event, Failed, Finished, FirstToken, GenerationRequest
 from kvtier.tier_names import TIERS, Tier
 
+from ..anthropic.messages import CacheAccounting
+from ..anthropic.requests import MessagesRequest
 from ..cluster.session_index import SessionIndex, SessionRecord
 from ..errors import APIError
 from ..openai import responses as responses_wire
@@ -41,6 +43,7 @@ from ..turns.tenant import ANONYMOUS, tenant_of
 from ..turns.turn import Turn
 from .answers import Answer, ChatAnswer, CompletionAnswer, ResponsesAnswer, write_answer
 from .choices import fan_out
+from .messages_answer import MessagesAnswer
 from .options import ChatSetup, sampling_params, unsupported_reason
 from .prompts import PromptBuilder
 from .response_store import ResponseStore, StoredResponse
@@ -91,6 +94,11 @@ def cache_level(tier: str | None, reused: int) -> CacheLevel:
     return tier
 
 
+def _served(req: ApiRequest) -> ApiRequest:
+    """What the engines serve for `req`: a Messages request's chat form, any other request itself."""
+    return req.as_chat if isinstance(req, MessagesRequest) else req
+
+
 class LocalServing:
     def __init__(
         self,
@@ -107,6 +115,7 @@ class LocalServing:
         max_stored_responses: int = 10_000,
         chat_templates: Mapping[str, str] | None = None,
         tool_call_parsers: Mapping[str, str] | None = None,
+        chunk_tokens: int = 0,
     ) -> None:
         self.engine = engine
         self.prompts = PromptBuilder(engine, truncate=truncate_on_overflow, threads=tokenize_threads)
@@ -120,6 +129,8 @@ class LocalServing:
         self._templates = dict(chat_templates or {})  # served model -> its chat template's text
         self._parsers = dict(tool_call_parsers or {})  # served model -> its tool-call format
         self._setups: dict[str, ChatSetup] = {}
+        # What the store keeps of a turn, for Anthropic's cache usage (whole chunks, when reuse is on).
+        self.accounting = CacheAccounting(chunk_tokens, stores=reuse)
 
     def setup(self, model: str) -> ChatSetup:
         """What the model's chat template does (looked at once per model: two renders of a probe)."""
@@ -162,6 +173,7 @@ class LocalServing:
             max_stored_responses=settings.proxy.max_stored_responses,
             chat_templates=chat_templates(settings, base_dir),
             tool_call_parsers=settings.local_runner.tool_call_parsers,
+            chunk_tokens=settings.local_runner.kv_chunk_tokens,
         )
 
     # -- the seam's questions (the rest is the engine's: `self.engine`) --------------------------------
@@ -169,7 +181,16 @@ class LocalServing:
     def supports(self, req: ApiRequest) -> str | None:
         if not self.engine.serves(req.model):
             return f"model {req.model!r} is not served locally"
-        return unsupported_reason(req, self.setup(req.model))
+        if isinstance(req, MessagesRequest) and req.unserved:
+            return req.unserved
+        return unsupported_reason(_served(req), self.setup(req.model))
+
+    async def count_prompt_tokens(self, req: ApiRequest) -> int:
+        """The prompt tokens a turn of this request would have (its conversation and tools rendered as
+        the turn renders them), without running it: Anthropic's count_tokens."""
+        served = _served(req)
+        tools = tool_request(served.body) if isinstance(served, ChatRequest) else None
+        return len((await self._render(served, 1, tools)).ids)
 
     async def aclose(self) -> None:
         await self.engine.aclose()
@@ -213,11 +234,14 @@ class LocalServing:
         )
 
     async def handle(self, request: web.Request, req: ApiRequest, turn: Turn) -> web.StreamResponse:
-        tools = tool_request(req.body) if isinstance(req, ChatRequest) else None
+        served = _served(req)  # a Messages turn is served as its chat form; answered in its own shape
+        tools = tool_request(served.body) if isinstance(served, ChatRequest) else None
         vocab = len(self.engine.tokenizer(req.model))
-        sampling = sampling_params(req, self.default_max_tokens, vocab=vocab)
-        sampling.grammar = self._grammar(req, tools)
-        rendered = await self._render(req, sampling.max_tokens, tools)
+        sampling = sampling_params(served, self.default_max_tokens, vocab=vocab)
+        if isinstance(req, MessagesRequest):
+            sampling.stop = list(req.stop_sequences)  # Anthropic allows more than OpenAI's four
+        sampling.grammar = self._grammar(served, tools)
+        rendered = await self._render(served, sampling.max_tokens, tools)
         # A Responses turn continues the conversation its previous response holds.
         named = req.previous_response_id if isinstance(req, ResponsesRequest) else None
         record = await self.index.get(turn.tenant, named or turn.session) if self.reuse else None
@@ -258,7 +282,7 @@ class LocalServing:
                 at=first.at,
                 skipped=first.skipped_tokens,
             )
-            n = req.body.get("n") or 1
+            n = served.body.get("n") or 1
             answer = self._answer(req, turn, tools, sampling.logprobs is not None, n)
 
             async def on_finish(done: Finished) -> None:
@@ -279,6 +303,17 @@ class LocalServing:
         self, req: ApiRequest, turn: Turn, tools: ToolRequest | None, logprobs: bool, n: int
     ) -> Answer:
         fingerprint = f"fp_attnstore_{self.engine.fingerprint(req.model)}"
+        parser = self.setup(req.model).parser
+        parses_calls = bool(tools and tools.choice != "none" and parser)
+        if isinstance(req, MessagesRequest):
+            return MessagesAnswer(
+                req.model,
+                stream=req.stream,
+                accounting=self.accounting,
+                prompt=turn.prompt,
+                reused=turn.reused,
+                tools=ToolCallParser(parser) if parses_calls and parser else None,
+            )
         if isinstance(req, ResponsesRequest):
             return ResponsesAnswer(
                 responses_wire.ResponseShape.answering(turn.session, req), stream=req.stream
@@ -287,16 +322,13 @@ class LocalServing:
             return CompletionAnswer(
                 req.model, fingerprint, stream=req.stream, include_usage=req.include_usage, n=n
             )
-        parser = self.setup(req.model).parser
         return ChatAnswer(
             req.model,
             fingerprint,
             stream=req.stream,
             include_usage=req.include_usage,
             n=n,
-            tools=functools.partial(ToolCallParser, parser)
-            if tools and tools.choice != "none" and parser
-            else None,
+            tools=functools.partial(ToolCallParser, parser) if parses_calls and parser else None,
             decode=self._decoder(req.model) if logprobs else None,
         )
 

@@ -39,6 +39,10 @@ class LocalBackend(Protocol):
         `APIError` for an error answer (the middleware tags and finishes it)."""
         ...
 
+    async def count_prompt_tokens(self, req: ApiRequest) -> int:
+        """The prompt tokens a local turn of `req` would have, without running it (count_tokens)."""
+        raise NotImplementedError
+
     async def aclose(self) -> None:
         """On the event loop, before `close`: what serving holds there (HTTP sessions)."""
         return None

@@ -62,11 +62,18 @@ def request_timeout(settings: Settings) -> aiohttp.ClientTimeout:
     )
 
 
+# Anthropic's usage splits the prompt in three: uncached, read from its cache, written to it.
+_ANTHROPIC_INPUT = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+
+
 def _usage_prompt_tokens(doc: object) -> int:
+    """The prompt tokens an answer's usage reports: OpenAI's prompt_tokens, or Anthropic's three parts."""
     if isinstance(doc, dict):
         usage = doc.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             return usage["prompt_tokens"]
+        if isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
+            return sum(n for k in _ANTHROPIC_INPUT if isinstance(n := usage.get(k), int))
     return 0
 
 

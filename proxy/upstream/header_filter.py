@@ -27,6 +27,7 @@ from typing import Literal
 
 from multidict import CIMultiDict
 
+from ..anthropic.messages import PATH_PREFIX as ANTHROPIC_PATH_PREFIX
 from ..settings import Settings, replica_id
 from ..turns.headers import FORWARDED_BY
 from ..turns.session import SESSION_HEADER
@@ -55,7 +56,6 @@ _DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
 
 Destination = Literal["upstream", "replica"]
 _KEY_HEADERS = frozenset({"authorization", API_KEY_HEADER})
-ANTHROPIC_PATHS = "/v1/messages"  # a path that starts so is Anthropic's API: keys go in x-api-key
 
 
 def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
@@ -71,7 +71,7 @@ def _key_header(client: Mapping[str, str], path: str) -> str:
     """Where the upstream's key goes: the header the client sent its key in, else the one the path's
     API takes (Anthropic's x-api-key, OpenAI's Authorization)."""
     sent = {k.lower() for k in client} & _KEY_HEADERS
-    if sent == {API_KEY_HEADER} or (not sent and path.startswith(ANTHROPIC_PATHS)):
+    if sent == {API_KEY_HEADER} or (not sent and path.startswith(ANTHROPIC_PATH_PREFIX)):
         return API_KEY_HEADER
     return "Authorization"
 
