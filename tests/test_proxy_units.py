@@ -65,8 +65,8 @@ ANTHROPIC_CLIENT = {"x-api-key": "client", "anthropic-version": "2023-06-01", "a
 
 
 def test_the_upstream_key_goes_where_the_clients_api_sends_keys(make_settings, monkeypatch):
-    """x-api-key for a client that sent one (Anthropic's SDK), and on /v1/messages without a client
-    key; Authorization elsewhere; the anthropic-* headers pass; never a client key next to it."""
+    """x-api-key on /v1/messages* (Anthropic's documented header), Authorization elsewhere, and also the
+    header the client sent its key in; the anthropic-* headers pass; never a client key next to it."""
     settings = make_settings()
     assert dict(outbound_headers(ANTHROPIC_CLIENT, settings, "upstream", "/v1/messages")) == ANTHROPIC_CLIENT
     monkeypatch.setenv("ATTNSTORE_TEST_UPSTREAM_KEY", "upstream-key")
@@ -74,11 +74,13 @@ def test_the_upstream_key_goes_where_the_clients_api_sends_keys(make_settings, m
     assert dict(out) == {**ANTHROPIC_CLIENT, "x-api-key": "upstream-key"}
     bare = outbound_headers({}, settings, "upstream", "/v1/messages/count_tokens")
     assert dict(bare) == {"x-api-key": "upstream-key"}
+    bearer = outbound_headers({"Authorization": "Bearer c"}, settings, "upstream", "/v1/messages")
+    assert dict(bearer) == {"Authorization": "Bearer upstream-key", "x-api-key": "upstream-key"}
     assert dict(outbound_headers({}, settings, "upstream", "/v1/chat/completions")) == {
         "Authorization": "Bearer upstream-key"
     }
-    both = outbound_headers({"Authorization": "Bearer c", "x-api-key": "c"}, settings, "upstream", "/v1/x")
-    assert dict(both) == {"Authorization": "Bearer upstream-key"}
+    elsewhere = outbound_headers({"x-api-key": "c"}, settings, "upstream", "/v1/models")
+    assert dict(elsewhere) == {"Authorization": "Bearer upstream-key", "x-api-key": "upstream-key"}
 
 
 def test_a_proxy_key_in_x_api_key_never_goes_upstream(make_settings):

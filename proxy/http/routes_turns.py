@@ -91,11 +91,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _route(request, req)
 
 
+def _known_model(request: web.Request, model: str) -> None:
+    """Anthropic answers a model it does not have with 404 not_found_error (its SDK's NotFoundError):
+    so does attnstore, for a model neither local nor upstream (no upstream is configured)."""
+    settings = request.app[SETTINGS]
+    lr = settings.local_runner
+    if not settings.llm_endpoint.base_url and not (lr.enabled and model in lr.models):
+        raise APIError(404, f"model: {model}", param="model", code="model_not_found")
+
+
 async def messages(request: web.Request) -> web.StreamResponse:
     """An Anthropic Messages turn, served as chat is (the same serving layer and reuse) and answered in
     Anthropic's shape; without a session id, its session is the fingerprint of its model, system prompt
     and first user message."""
     req = parse_messages(await _read(request))
+    _known_model(request, req.model)
     session = _session(request, req, lambda: messages_fingerprint(req.body))
     request[TURN].identify(session=session, tenant=tenant_of(request.headers), turn=req.turn)
     return await _route(request, req)
@@ -106,6 +116,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     rendering: input_tokens + cache_read + cache_creation of that turn's usage); for any other model,
     the upstream's answer."""
     req = parse_messages(await _read(request), count_only=True)
+    _known_model(request, req.model)
     _session(request, req, lambda: "")  # the session field never goes upstream; counting needs none
     backend = request.app[LOCAL_BACKEND]
     route = choose_route(request.app[SETTINGS], req, backend)

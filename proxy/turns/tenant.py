@@ -56,7 +56,9 @@ def check_client_auth(
         return
     key = client_key(headers)
     if key is None:
-        raise APIError(401, "Missing API key (Authorization: Bearer <key>, or x-api-key: <key>).", code="invalid_api_key")
+        raise APIError(
+            401, "Missing API key (Authorization: Bearer <key>, or x-api-key: <key>).", code="invalid_api_key"
+        )
     if not _matches(key, [*api_keys, *admin_keys]):
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 

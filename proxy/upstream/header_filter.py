@@ -10,9 +10,10 @@ What a client's headers lose on the way out:
 - to the upstream: `X-Session-Id` (the proxy's own), and the client's key (`Authorization`, or
   Anthropic's `x-api-key`) when the proxy authenticates clients (`proxy.api_keys` or
   `proxy.admin_keys`): that key is for this proxy only, no client credential reaches the upstream. The
-  key that `llm_endpoint.api_key_env` names, when set, takes its place, in the header the client's
-  API sends keys in: the one the client used, else `x-api-key` on Anthropic's paths (`/v1/messages*`)
-  and `Authorization: Bearer` elsewhere. A proxy that does not authenticate clients and has no
+  key that `llm_endpoint.api_key_env` names, when set, takes its place: in the header the path's API
+  documents (`x-api-key` on Anthropic's paths, `/v1/messages*`; `Authorization: Bearer` elsewhere) and
+  in the one the client sent its key in, when that is the other (Anthropic's newer SDKs send
+  `Authorization: Bearer`; Claude Code and curl examples `x-api-key`). A proxy that does not authenticate clients and has no
   upstream key passes the client's own key through;
 - to another replica: nothing more. The owner authenticates the same key and derives the same tenant;
   the request is marked `X-AttentionStore-Forwarded-By` (one hop at most).
@@ -67,13 +68,11 @@ def authenticates_clients(settings: Settings) -> bool:
     return bool(settings.proxy.api_keys or settings.proxy.admin_keys)
 
 
-def _key_header(client: Mapping[str, str], path: str) -> str:
-    """Where the upstream's key goes: the header the client sent its key in, else the one the path's
-    API takes (Anthropic's x-api-key, OpenAI's Authorization)."""
-    sent = {k.lower() for k in client} & _KEY_HEADERS
-    if sent == {API_KEY_HEADER} or (not sent and path.startswith(ANTHROPIC_PATH_PREFIX)):
-        return API_KEY_HEADER
-    return "Authorization"
+def _key_headers(client: Mapping[str, str], path: str) -> set[str]:
+    """Where the upstream's key goes (lower-case names): the header the path's API documents
+    (Anthropic's x-api-key, OpenAI's Authorization) and the ones the client sent its key in."""
+    documented = API_KEY_HEADER if path.startswith(ANTHROPIC_PATH_PREFIX) else "authorization"
+    return {documented} | ({k.lower() for k in client} & _KEY_HEADERS)
 
 
 def outbound_headers(
@@ -90,8 +89,11 @@ def outbound_headers(
         out[FORWARDED_BY] = replica_id(settings)
         return out
     if upstream_key:
-        header = _key_header(client, path)
-        out[header] = upstream_key if header == API_KEY_HEADER else f"Bearer {upstream_key}"
+        for header in sorted(_key_headers(client, path)):
+            if header == API_KEY_HEADER:
+                out[API_KEY_HEADER] = upstream_key
+            else:
+                out["Authorization"] = f"Bearer {upstream_key}"
     return out
 
 

@@ -1,7 +1,7 @@
 """The fake OpenAI upstream of the tests: `bench.support.fake_upstream`'s (chat completions and the model
 list, the part the benchmarks need), plus the rest of the API that the proxy passes through, answered as
 OpenAI would: embeddings, moderations, files, legacy completions and responses (JSON, or a stream of
-events), audio speech (binary, streamed) and transcriptions (a multipart upload read as it arrives), and an
+events), Anthropic's messages and count_tokens (JSON), audio speech (binary, streamed) and transcriptions (a multipart upload read as it arrives), and an
 OpenAI-style 404 `Invalid URL` for any other method and path.
 
 Knobs on top of the base's (`mode` "hang" / "error" apply to every path):
@@ -100,6 +100,23 @@ ANSWERS: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("POST", "/v1/responses"): RESPONSE,
     ("POST", "/v1/audio/transcriptions"): {"text": TEXT},
+    # Anthropic's Messages API, as an Anthropic-style upstream answers it.
+    ("POST", "/v1/messages"): {
+        "id": "msg_fake",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-fake",
+        "content": [{"type": "text", "text": TEXT}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": 5,
+            "output_tokens": 6,
+            "cache_read_input_tokens": 4,
+            "cache_creation_input_tokens": 2,
+        },
+    },
+    ("POST", "/v1/messages/count_tokens"): {"input_tokens": 11},
 }
 SPEECH_CHUNK = bytes(range(256)) * 64  # 16 KiB of "audio", every byte value
 
