@@ -23,6 +23,8 @@ SEARCH = {
     "input_schema": agents.SEARCH["function"]["parameters"],
 }
 FORCED = {"type": "tool", "name": "search_files"}
+# The 2.17 SDK's create() has no sampling parameters any more; the API (and attnstore) still takes them.
+GREEDY = {"temperature": 0}
 
 
 def client(server, key: str = "agent", *, x_api_key: bool = False, **kw) -> anthropic.Anthropic:
@@ -81,6 +83,11 @@ def test_a_tool_round_trip_becomes_chat_messages_and_cache_control_the_retention
             "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
             "stop_sequences": ["a", "b", "c", "d", "e"],
             "top_k": 5,
+            "output_config": {
+                "effort": "low",
+                "format": {"type": "json_schema", "schema": {"type": "object"}},
+            },
+            "speed": "standard",
         }
     )
     chat = req.as_chat
@@ -104,8 +111,11 @@ def test_a_tool_round_trip_becomes_chat_messages_and_cache_control_the_retention
     assert chat.body["tool_choice"] == "required" and chat.body["parallel_tool_calls"] is False
     assert chat.body["tools"][0]["function"]["parameters"] == SEARCH["input_schema"]
     assert chat.body["top_k"] == 5 and req.stop_sequences == ["a", "b", "c", "d", "e"]
+    assert chat.body["response_format"]["json_schema"]["schema"] == {"type": "object"}
     assert req.retention_hint_s == 3600 and req.turn == 1 and req.unserved is None
-    assert parse({"messages": [{"role": "user", "content": "hi"}]}).retention_hint_s is None
+    hi = [{"role": "user", "content": "hi"}]
+    assert parse({"messages": hi}).retention_hint_s is None
+    assert parse({"messages": hi, "cache_control": {"type": "ephemeral"}}).retention_hint_s == 300
 
 
 def test_what_the_local_engines_cannot_serve_is_named_not_refused():
@@ -253,7 +263,7 @@ def test_text_answers_whole_and_streamed_are_the_same_and_reused(server):
     kwargs = dict(
         model=MODEL,
         max_tokens=12,
-        temperature=0,
+        extra_body=GREEDY,
         system="You are a helpful assistant.",
         messages=[{"role": "user", "content": "Name three colors."}],
         extra_headers={"X-Session-Id": "colors"},
@@ -280,20 +290,26 @@ def test_text_answers_whole_and_streamed_are_the_same_and_reused(server):
 
 @pytest.mark.model
 def test_a_stop_sequence_is_reported(server):
-    done = client(server).messages.create(
+    """A word of the greedy answer as a stop sequence: the answer ends before it, and says so."""
+    c = client(server)
+    kwargs = dict(
         model=MODEL,
-        max_tokens=30,
-        temperature=0,
-        messages=[{"role": "user", "content": "Count from one to ten in words, separated by commas."}],
-        stop_sequences=[","],
+        max_tokens=16,
+        extra_body=GREEDY,
+        messages=[{"role": "user", "content": "Describe the sea in one sentence."}],
     )
-    assert done.stop_reason == "stop_sequence" and done.stop_sequence == ","
-    assert "," not in done.content[0].text
+    text = c.messages.create(**kwargs).content[0].text
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = " " + words[2]
+    done = c.messages.create(**kwargs, stop_sequences=["never-said", stop])
+    assert done.stop_reason == "stop_sequence" and done.stop_sequence == stop
+    assert done.content[0].text == text[: text.index(stop)]
 
 
 def tool_turn(c: anthropic.Anthropic, messages: list, *, stream: bool, **kw):
     """(message, headers) of one turn, whole or streamed."""
-    kwargs = dict(model=MODEL, max_tokens=60, temperature=0, tools=[SEARCH], messages=messages, **kw)
+    kwargs = dict(model=MODEL, max_tokens=60, tools=[SEARCH], messages=messages, extra_body=GREEDY, **kw)
     if not stream:
         raw = c.messages.with_raw_response.create(**kwargs)
         return raw.parse(), raw.headers
@@ -341,7 +357,7 @@ def test_count_tokens_equals_the_turns_prompt(server):
         messages=[{"role": "user", "content": "Find every handler."}],
     )
     counted = c.messages.count_tokens(**kwargs)
-    done = c.messages.create(**kwargs, max_tokens=40, temperature=0, tool_choice=FORCED)
+    done = c.messages.create(**kwargs, max_tokens=40, extra_body=GREEDY, tool_choice=FORCED)
     assert counted.input_tokens == prompt_total(done.usage) > 0
     plain = c.messages.count_tokens(model=MODEL, messages=kwargs["messages"])
     assert plain.input_tokens < counted.input_tokens  # the tools are rendered into the prompt
@@ -373,7 +389,7 @@ def test_a_twenty_turn_agent_loop_reads_most_of_every_prompt_from_the_store(serv
         raw = c.messages.with_raw_response.create(
             model=MODEL,
             max_tokens=48,
-            temperature=0,
+            extra_body=GREEDY,
             system=system,
             tools=[SEARCH],
             tool_choice=FORCED,

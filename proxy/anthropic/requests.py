@@ -91,12 +91,13 @@ def _cache_ttl(block: dict[str, Any], where: str) -> float | None:
     control = block.get("cache_control")
     if control is None:
         return None
-    control = _object(control, f"{where}.cache_control")
+    where = f"{where}.cache_control" if where else "cache_control"
+    control = _object(control, where)
     if control.get("type") != "ephemeral":
-        raise _fail(f"{where}.cache_control.type", "Input should be 'ephemeral'")
+        raise _fail(f"{where}.type", "Input should be 'ephemeral'")
     ttl = control.get("ttl", "5m")
     if ttl not in CACHE_TTLS:
-        raise _fail(f"{where}.cache_control.ttl", "Input should be '5m' or '1h'")
+        raise _fail(f"{where}.ttl", "Input should be '5m' or '1h'")
     return CACHE_TTLS[ttl]
 
 
@@ -358,13 +359,35 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _unserved_options(body: dict[str, Any]) -> str | None:
+    """Options only Anthropic serves. The rest of what its API takes and a local model has no use for
+    (speed, service_tier, inference_geo, output_config.effort, ...) is accepted and does nothing."""
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
         return "extended thinking is not served locally"
-    for name in ("mcp_servers", "container", "output_format", "output_config"):
+    for name in ("mcp_servers", "container"):
         if body.get(name):
             return f"{name} is not served locally"
     return None
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """Structured outputs (`output_config.format`, or the older `output_format`: a JSON schema) as the
+    chat request's response_format, decoded under the schema's grammar as chat's is."""
+    config = body.get("output_config")
+    where, fmt = "output_config.format", None
+    if config is not None:
+        fmt = _object(config, "output_config").get("format")
+    if fmt is None:
+        where, fmt = "output_format", body.get("output_format")
+    if fmt is None:
+        return None
+    fmt = _object(fmt, where)
+    if fmt.get("type") != "json_schema":
+        raise _fail(f"{where}.type", "Input should be 'json_schema'")
+    if "schema" not in fmt:
+        raise _fail(f"{where}.schema", "Field required")
+    schema = _object(fmt["schema"], f"{where}.schema")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
 
 
 def parse_messages(raw: bytes, *, count_only: bool = False) -> MessagesRequest:
@@ -381,6 +404,7 @@ def parse_messages(raw: bytes, *, count_only: bool = False) -> MessagesRequest:
     if stream is not None and not isinstance(stream, bool):
         raise _fail("stream", "Input should be a valid boolean")
     hints = _Hints()
+    hints.see(body, "")  # top-level cache_control: a breakpoint on the last cacheable block
     chat_messages: list[dict[str, Any]] = []
     if body.get("system") is not None:
         system = _text_blocks(body["system"], "system", hints, only_text=True)
@@ -396,6 +420,9 @@ def parse_messages(raw: bytes, *, count_only: bool = False) -> MessagesRequest:
     chat_body: dict[str, Any] = {"model": body["model"], "messages": chat_messages, **_sampling(body)}
     if max_tokens is not None:
         chat_body["max_tokens"] = max_tokens
+    response_format = _response_format(body)
+    if response_format is not None:
+        chat_body["response_format"] = response_format
     if tools:
         chat_body.update(tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
     users = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "user")
