@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import orjson
 import pytest
@@ -317,3 +318,51 @@ def test_two_replicas_share_l2_through_redis(servers, vllm_python, tmp_path, red
     assert_hit(headers, usage, "l2_hit")
     assert headers["X-AttentionStore-Replica"] == "b"
     assert answer == recompute(b, messages)
+
+
+def test_anthropic_messages_on_vllm_read_the_first_turn_from_the_store(servers, vllm_python, tmp_path):
+    """Anthropic's Messages API is the serving layer's, so vLLM serves it too: a second turn reads the
+    first one's KV from the store (cache_read_input_tokens, the reused-tokens header), streamed or not;
+    count_tokens is the turn's prompt; a forced tool call comes back as a tool_use block."""
+    config = settings(vllm_python, tmp_path / "kv")
+    config["local_runner"]["chat_templates"] = {MODEL: str(agents.TEMPLATE)}
+    (server,) = servers.start(config)
+    c = anthropic.Anthropic(base_url=server.url, api_key="agent", max_retries=0, timeout=300)
+    greedy = {"temperature": 0}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTIONS[0]}]
+    raw = c.messages.with_raw_response.create(
+        model=MODEL, max_tokens=24, messages=messages, extra_body=greedy
+    )
+    first = raw.parse()
+    assert raw.headers["X-AttentionStore-Route"] == "local" and first.usage.cache_read_input_tokens == 0
+    assert first.content[0].type == "text" and first.stop_reason in ("end_turn", "max_tokens")
+    messages += [
+        {"role": "assistant", "content": first.content[0].text},
+        {"role": "user", "content": QUESTIONS[1]},
+    ]
+    with c.messages.stream(model=MODEL, max_tokens=24, messages=messages, extra_body=greedy) as stream:
+        text = "".join(stream.text_stream)
+        second = stream.get_final_message()
+        headers = stream.response.headers
+    reused = int(headers["X-AttentionStore-Reused-Tokens"])
+    assert headers["X-AttentionStore-Cache"] != "miss" and second.usage.cache_read_input_tokens == reused > 0
+    total = (
+        second.usage.input_tokens
+        + second.usage.cache_read_input_tokens
+        + second.usage.cache_creation_input_tokens
+    )
+    assert (
+        text == second.content[0].text
+        and c.messages.count_tokens(model=MODEL, messages=messages).input_tokens == total
+    )
+    search = {"name": "search_files", "input_schema": agents.SEARCH["function"]["parameters"]}
+    called = c.messages.create(
+        model=MODEL,
+        max_tokens=60,
+        messages=messages[:1],
+        tools=[search],
+        tool_choice={"type": "tool", "name": "search_files"},
+        extra_body=greedy,
+    )
+    assert called.stop_reason == "tool_use" and called.content[-1].type == "tool_use"
+    assert isinstance(called.content[-1].input["query"], str)
