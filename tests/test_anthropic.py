@@ -368,7 +368,7 @@ def system_prompt() -> str:
     rules = [
         f"Rule {i}: when editing module_{i}.py keep functions short, name things plainly, and test "
         f"the behaviour that could break (case {i})."
-        for i in range(40)
+        for i in range(29)
     ]
     return "You are a coding agent working in a repository.\n" + "\n".join(rules)
 
@@ -409,7 +409,7 @@ def test_a_twenty_turn_agent_loop_reads_most_of_every_prompt_from_the_store(serv
         messages.append(
             {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in done.content]}
         )
-        result = "\n".join(agents.tool_result(turn).splitlines()[:6])
+        result = "\n".join(agents.tool_result(turn).splitlines()[:8])  # about 200 tokens
         messages.append(
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}]}
         )
