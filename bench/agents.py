@@ -7,7 +7,8 @@ Each agent sends its history (a system prompt, its task, every tool result so fa
 (standing for a tool call), waits `--pause` seconds while the "tool" runs, and comes back with a
 ~`--tool-tokens` result. Each chat sends turns back to back (a user message of `--chat-tokens` more
 each), starting a new conversation past `--chat-max` tokens, so new KV keeps arriving while the agents
-wait. L0 holds `--fit` times the agents' working set (their longest histories), L1 nothing, and L2 is a
+wait. L0 holds `--fit` times the agents' working set (their longest histories) plus what the running
+chats pin (their longest histories: a running job's chunks are never evicted), L1 nothing, and L2 is a
 disk whose files are dropped from the page cache once written, so a chunk LRU gave up is read back from
 the disk: what an agent loses while its tool runs.
 
@@ -68,7 +69,11 @@ class Workload:
 
     def agent_history(self) -> int:
         """An agent's longest prompt: its system prompt and task, and every tool result but the last."""
-        return self.system_tokens + 64 + (self.turns - 1) * self.tool_tokens
+        return self.system_tokens + 64 + (self.turns - 1) * self.tool_tokens + self.answer_tokens
+
+    def chat_pins(self) -> int:
+        """Tokens the running chats hold pinned at most (each its longest history and answer)."""
+        return self.chats * (self.chat_max + self.answer_tokens)
 
 
 @dataclass
@@ -187,12 +192,15 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def report(w: Workload, results: dict[str, list[Result]], l0: int, working_set: int, reps: int) -> None:
+def report(
+    w: Workload, results: dict[str, list[Result]], l0: int, working_set: int, pins: int, reps: int
+) -> None:
     print(
         f"\n{w.agents} agents x {w.turns} turns (tool pause {w.pause_s:g} s, tool results {w.tool_tokens} "
         f"tokens, system prompt {w.system_tokens}) beside {w.chats} chats (+{w.chat_tokens} tokens a turn, "
         f"new conversation past {w.chat_max}); L0 {l0 / MB:.0f} MB (agents' working set "
-        f"{working_set / MB:.0f} MB), L1 0, L2 disk (page cache dropped); {reps} interleaved repetitions"
+        f"{working_set / MB:.0f} MB, running chats' pins {pins / MB:.0f} MB), L1 0, L2 disk (page cache "
+        f"dropped); {reps} interleaved repetition(s)"
     )
     summary: dict[str, dict[str, float]] = {}
     print(
@@ -249,7 +257,7 @@ def report(w: Workload, results: dict[str, list[Result]], l0: int, working_set: 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.agents", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a ~1 minute run: 3 agents x 4 turns, 3 chats, 1 rep")
+    p.add_argument("--quick", action="store_true", help="a ~1 minute run: 2 agents x 3 turns, 2 chats, 1 rep")
     p.add_argument("--agents", type=int, default=6)
     p.add_argument("--chats", type=int, default=6)
     p.add_argument("--turns", type=int, default=8)
@@ -260,13 +268,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--chat-tokens", type=int, default=250)
     p.add_argument("--chat-max", type=int, default=2000)
-    p.add_argument("--fit", type=float, default=1.3, help="L0 as a multiple of the agents' working set")
+    p.add_argument(
+        "--fit",
+        type=float,
+        default=1.1,
+        help="L0: this many times the agents' working set, plus the chats' pins",
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--cache-dir", default="./var/models")
     args = p.parse_args(argv)
     if args.quick:
-        args.agents, args.chats, args.turns, args.pause, args.reps = 3, 3, 4, 2.0, 1
-        args.system_tokens, args.chat_max = 400, 1200
+        args.agents, args.chats, args.turns, args.pause, args.reps = 2, 2, 3, 1.5, 1
+        args.system_tokens, args.tool_tokens, args.chat_tokens, args.chat_max = 300, 200, 300, 900
     w = Workload(
         args.agents,
         args.chats,
@@ -287,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
         f"threads; retention holds {hold_s:g} s after a tool call"
     )
     working_set = w.agents * w.agent_history() * lm.layout.bytes_per_token
-    l0 = int(args.fit * working_set)
+    pins = w.chat_pins() * lm.layout.bytes_per_token
+    l0 = int(args.fit * working_set) + pins
     results: dict[str, list[Result]] = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
@@ -304,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
                     results[name].append(result)
                 finally:
                     engine.close()
-    report(w, results, l0, working_set, args.reps)
+    report(w, results, l0, working_set, pins, args.reps)
 
 
 if __name__ == "__main__":
