@@ -56,7 +56,9 @@ def test_prompt_cache_key_comes_after_the_session_field_and_header_and_before_th
 
 def test_a_prompt_cache_key_that_is_no_header_value_is_hashed_into_a_session_id():
     first = resolve_session({"prompt_cache_key": "user 42 / café"}, {}, "sid")
-    assert first.startswith("pck-") and first == resolve_session({"prompt_cache_key": "user 42 / café"}, {}, "sid")
+    assert first.startswith("pck-") and first == resolve_session(
+        {"prompt_cache_key": "user 42 / café"}, {}, "sid"
+    )
     assert resolve_session({"prompt_cache_key": "x" * 200}, {}, "sid").startswith("pck-")
 
 

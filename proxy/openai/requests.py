@@ -92,7 +92,9 @@ def retention_hint(body: dict[str, Any]) -> float | None:
     hint = PROMPT_CACHE_RETENTION_S.get(given) if isinstance(given, str) else None
     if hint is None:
         allowed = ", ".join(repr(v) for v in PROMPT_CACHE_RETENTION_S)
-        raise bad_request(f"'prompt_cache_retention' must be one of {allowed}.", param="prompt_cache_retention")
+        raise bad_request(
+            f"'prompt_cache_retention' must be one of {allowed}.", param="prompt_cache_retention"
+        )
     return hint
 
 
