@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .index import PrefixIndex
+    from .index import Entry, PrefixIndex
 
 
 @dataclass(eq=False)
@@ -86,7 +86,7 @@ class Retention:
         covered: dict[str, Hold] = {}
         for hold in sorted(self._holds.values(), key=lambda h: h.deadline):  # later deadlines overwrite
             for entry in index.session_entries(hold.namespace, hold.session):
-                e = entry
+                e: Entry | None = entry
                 while e is not None and covered.get(e.key) is not hold:  # up the chain to the root
                     covered[e.key] = hold
                     e = index.get(e.chunk.parent)
