@@ -1,12 +1,13 @@
-"""Placement: which tier holds which chunk, always within budget. Moves between tiers are decided here
-and carried out by the tiers' own methods (admit, drop) and the index's (remove).
+"""Placement: which tier holds which chunk, always within budget. Moves between tiers are decided here and
+carried out by the tiers' own methods (admit, drop) and the index's (remove).
 
-Eviction demotes (a memory tier's victim goes to the slower memory tiers) before it drops, the
-persistent tier drops in its policy's order, and a pinned or schedule-protected chunk (or, on disk, one
-whose save is in flight) is never a victim. Retained chunks (retention.py) are victims only after every
-other chunk; when one goes all the same, its hold is broken: counted once per hold, and logged. Every method runs with the store lock held and copies
-nothing: a move to another device comes back as a Copy, which the caller runs once it has released the
-lock (StoreCore.run_copies).
+Eviction demotes (a memory tier's victim goes to the slower memory tiers) before it drops, the persistent
+tier drops in its policy's order, and a pinned or schedule-protected chunk (or, on disk, one whose save
+is in flight) is never a victim. Retained chunks (retention.py) are victims only after every other chunk,
+and a chunk no hold keeps goes to a slower tier rather than push a held one out; when one goes all the
+same (memory ran out), its hold is broken: counted once per hold, and logged. Every method runs with the
+store lock held and copies nothing: a move to another device comes back as a Copy, which the caller runs
+once it has released the lock (StoreCore.run_copies).
 """
 
 from __future__ import annotations
@@ -40,22 +41,29 @@ class Placement:
 
     def place(self, entry: Entry, data: ChunkKV, copies: list[Copy], tiers: Sequence[MemoryTier]) -> bool:
         """Put `data` in the first of `tiers` where it fits (demoting victims); False if none. Appends to
-        `copies` what must move between devices (victims included)."""
+        `copies` what must move between devices (victims included).
+
+        A chunk no retention hold keeps goes to a slower tier rather than push a held session out of a
+        faster one: a hold gives way only where memory would otherwise run out (no tier could take the
+        chunk without it), and then the earliest deadline first (the eviction order)."""
         core = self._core
-        for tier in tiers:
-            if core.memory_tier_of(entry.key) is tier:
-                tier.touch(entry.key)
+        retained = core.retained()
+        spare_holds = bool(retained) and entry.key not in retained
+        for may_break_holds in (False, True) if spare_holds else (True,):
+            for tier in tiers:
+                if core.memory_tier_of(entry.key) is tier:  # already here: nothing faster took it
+                    tier.touch(entry.key)
+                    return True
+                victims = tier.victims(entry.nbytes, self._evictable(), core.schedule, retained)
+                if victims is None or (not may_break_holds and any(k in retained for k in victims)):
+                    continue
+                for key in victims:
+                    self._evict_memory(tier, key, copies)
+                current = core.memory_tier_of(entry.key)  # after the victims: a demotion may have moved it
+                if current is not None:
+                    current.drop(entry.key)
+                copies.append(tier.place(entry.key, entry.nbytes, data))
                 return True
-            victims = tier.victims(entry.nbytes, self._evictable(), core.schedule, core.retained())
-            if victims is None:
-                continue
-            for key in victims:
-                self._evict_memory(tier, key, copies)
-            current = core.memory_tier_of(entry.key)  # after the victims: a demotion may have moved it
-            if current is not None:
-                current.drop(entry.key)
-            copies.append(tier.place(entry.key, entry.nbytes, data))
-            return True
         return False
 
     def _evict_memory(self, tier: MemoryTier, key: str, copies: list[Copy]) -> None:

@@ -56,14 +56,28 @@ def test_a_retained_session_is_demoted_after_every_unretained_one(tmp_path):
     assert st.retained_bytes["l2"] == CB  # its file, saved as every chunk is
 
 
-def test_among_retained_sessions_the_earliest_deadline_goes_first(tmp_path):
+def test_an_unretained_chunk_goes_down_a_tier_rather_than_push_a_hold_out(tmp_path):
+    """Every L0 chunk is retained: a newcomer no hold keeps is placed in L1, and no hold is broken."""
     clock = Clock()
     s = make(tmp_path, clock, l0=2 * CB, l1=100 * CB)
     a, b = put(s, "a", 0), put(s, "b", 100)
+    s.retain("t", "a", 100)
+    s.retain("t", "b", 50)
+    c = put(s, "c", 200)
+    assert (tier(s, a), tier(s, b), tier(s, c)) == ("l0", "l0", "l1")
+    assert s.stats().retention_evictions == 0
+
+
+def test_among_retained_sessions_the_earliest_deadline_goes_first(tmp_path):
+    """Where memory runs out (no slower memory tier: L1 of 0), a newcomer breaks the hold that ends first,
+    whatever the order of use."""
+    clock = Clock()
+    s = make(tmp_path, clock, l0=2 * CB, l1=0)
+    a, b = put(s, "a", 0), put(s, "b", 100)
     s.retain("t", "a", 100)  # a: least recently used, latest deadline
     s.retain("t", "b", 50)
-    put(s, "c", 200)  # every L0 chunk is retained: the hold that ends first is broken
-    assert tier(s, a) == "l0" and tier(s, b) == "l1"
+    c = put(s, "c", 200)
+    assert (tier(s, a), tier(s, b), tier(s, c)) == ("l0", "l2", "l0")
     st = s.stats()
     assert st.retention_evictions == 1 and st.retained_sessions == 2
 
@@ -83,20 +97,20 @@ def test_an_expired_hold_drops_out(tmp_path):
 
 def test_pressure_breaking_a_hold_is_counted_once_and_logged(tmp_path, caplog):
     clock = Clock()
-    s = make(tmp_path, clock, l0=2 * CB, l1=100 * CB)
+    s = make(tmp_path, clock, l0=2 * CB, l1=0)  # one memory tier: memory runs out in it
     a = put(s, "a", 0, n=2 * CHUNK)  # two chunks: all of L0
     s.retain("t", "a", 60)
     with caplog.at_level(logging.WARNING, logger="kvtier.placement"):
         put(s, "b", 100)  # L0 would run out: a retained chunk must go
         put(s, "c", 200)  # and its other one: the same hold, counted once
     assert s.stats().retention_evictions == 1
-    assert tier(s, a) == "l1"
+    assert tier(s, a) == "l2"
     lines = [r.getMessage() for r in caplog.records if "retention" in r.getMessage()]
     assert len(lines) == 1 and "session a" in lines[0]
     s.retain("t", "a", 120)  # a new, longer hold: breaking it counts again
     put(s, "d", 300)
     put(s, "e", 400)
-    assert s.stats().retention_evictions == 1  # a's chunks are in L1 now, which has room: none broken
+    assert s.stats().retention_evictions == 1  # a's chunks left memory already: nothing of it breaks
 
 
 def test_a_hold_covers_the_chain_its_session_continues_and_what_it_stores_later(tmp_path):
