@@ -1,16 +1,19 @@
 """Retention for agents against plain LRU, measured on the engine (no HTTP): agent loops whose turns end
 in tool calls, beside ordinary chats, with fast memory too small for everyone.
 
-    python -m bench.agents [--quick] [--agents 6] [--chats 6] [--turns 8] [--pause 4] [--reps 3]
+    python -m bench.agents [--quick] [--agents 4] [--chats 6] [--turns 6] [--chat-turns 2] [--reps 2]
+        [--l2-mb 16384 | --l2-mb 0]
 
-Each agent sends its history (a system prompt, its task, every tool result so far), gets an answer
-(standing for a tool call), waits `--pause` seconds while the "tool" runs, and comes back with a
-~`--tool-tokens` result. Each chat sends turns back to back (a user message of `--chat-tokens` more
-each), starting a new conversation past `--chat-max` tokens, so new KV keeps arriving while the agents
-wait. L0 holds `--fit` times the agents' working set (their longest histories) plus what the running
-chats pin (their longest histories: a running job's chunks are never evicted), L1 nothing, and L2 is a
-disk whose files are dropped from the page cache once written, so a chunk LRU gave up is read back from
-the disk: what an agent loses while its tool runs.
+Rounds: every agent sends its history (a system prompt, its task, every tool result so far) and gets an
+answer (standing for a tool call); then its tool runs, and while it does every chat takes
+`--chat-turns` turns (a user message of `--chat-tokens` more each, a new conversation past `--chat-max`
+tokens; at least `--pause` seconds go by), so new KV arrives while the agents wait, as much in every
+run whatever the machine's speed; then each agent comes back with a ~`--tool-tokens` result. L0 holds
+`--fit` times the agents' working set (their longest histories) plus what the chats pin while they run
+(their longest histories: a running job's chunks are never evicted), L1 nothing; L2 is a disk whose
+files are dropped from the page cache once written (`--l2-mb`; 0: no L2, so what LRU gives up is
+recomputed). The chats touch their whole history every turn, so under LRU the waiting agents are the
+least recently used: what an agent loses while its tool runs.
 
 Variants, interleaved in one run (each repetition on a fresh store, the order alternating):
 `retention`: after each turn that ends in tool calls the engine retains the session for
@@ -66,6 +69,7 @@ class Workload:
     answer_tokens: int
     chat_tokens: int
     chat_max: int
+    chat_turns: int  # turns each chat takes while the agents' tools run
 
     def agent_history(self) -> int:
         """An agent's longest prompt: its system prompt and task, and every tool result but the last."""
@@ -112,69 +116,79 @@ async def one_turn(engine: EmbeddedEngine, ids: list[int], n: int, session: str)
     return turn
 
 
-async def agent(
-    engine: EmbeddedEngine,
-    lm: LoadedModel,
-    w: Workload,
-    index: int,
-    salt: int,
-    hold_s: float,
-    result: Result,
-) -> None:
-    """One agent loop: every turn but the last ends in a tool call (retained for `hold_s` when > 0)."""
-    session = f"agent-{salt}-{index}"
-    ids = prompt_ids(lm, w.system_tokens, salt + index) + prompt_ids(lm, 64, salt + 100 + index)
-    for t in range(w.turns):
-        turn = await one_turn(engine, ids, w.answer_tokens, session)
-        if t:
-            result.agent.setdefault(t, []).append(turn)
-        if t == w.turns - 1:
-            break  # the final answer: no tool call, nothing retained
-        if hold_s > 0:  # what the serving layer does when an answer ends in tool calls
-            await asyncio.to_thread(engine.retain, NAMESPACE, session, hold_s)
-        await asyncio.sleep(w.pause_s)  # the tool runs
-        ids = ids + prompt_ids(lm, w.tool_tokens, salt + 1000 * (t + 1) + index)
+@dataclass
+class Agent:
+    """One agent loop's state: its session and its prompt so far."""
+
+    session: str
+    ids: list[int]
 
 
-async def chat(
-    engine: EmbeddedEngine,
-    lm: LoadedModel,
-    w: Workload,
-    index: int,
-    salt: int,
-    stop: asyncio.Event,
-    result: Result,
-) -> None:
-    """One user chatting without pauses until the agents are done; a new conversation past chat_max."""
-    conversation = 0
-    ids: list[int] = []
-    while not stop.is_set():
-        if not ids or len(ids) + w.chat_tokens > w.chat_max:
-            conversation += 1
-            ids = prompt_ids(lm, w.chat_tokens, salt + 50_000 + 100 * index + conversation)
+@dataclass
+class Chat:
+    """One user's chat: its conversation so far (a new one past chat_max)."""
+
+    index: int
+    conversation: int = 0
+    ids: list[int] = field(default_factory=list)
+
+
+async def agent_turn(engine: EmbeddedEngine, w: Workload, a: Agent, hold_s: float, last: bool) -> Turn:
+    """One agent turn; every turn but the last ends in a tool call (retained for `hold_s` when > 0)."""
+    turn = await one_turn(engine, a.ids, w.answer_tokens, a.session)
+    if hold_s > 0 and not last:  # what the serving layer does when an answer ends in tool calls
+        await asyncio.to_thread(engine.retain, NAMESPACE, a.session, hold_s)
+    return turn
+
+
+async def chat_turns(engine: EmbeddedEngine, lm: LoadedModel, w: Workload, c: Chat, salt: int) -> list[Turn]:
+    """`chat_turns` turns of one chat, back to back."""
+    turns = []
+    for _ in range(w.chat_turns):
+        if not c.ids or len(c.ids) + w.chat_tokens > w.chat_max:
+            c.conversation += 1
+            c.ids = prompt_ids(lm, w.chat_tokens, salt + 50_000 + 100 * c.index + c.conversation)
         else:
-            ids = ids + prompt_ids(lm, w.chat_tokens, salt + 70_000 + 1000 * index + len(ids))
-        result.chat.append(
-            await one_turn(engine, ids, w.answer_tokens, f"chat-{salt}-{index}-{conversation}")
+            c.ids = c.ids + prompt_ids(lm, w.chat_tokens, salt + 70_000 + 1000 * c.index + len(c.ids))
+        turns.append(
+            await one_turn(engine, c.ids, w.answer_tokens, f"chat-{salt}-{c.index}-{c.conversation}")
         )
+    return turns
 
 
 async def run_variant(
     engine: EmbeddedEngine, lm: LoadedModel, w: Workload, salt: int, hold_s: float
 ) -> Result:
+    """Rounds of: every agent's turn at once, then the tools' pause, in which every chat takes its turns;
+    then the agents come back with their tools' results."""
     result = Result()
-    stop = asyncio.Event()
-    chats = [asyncio.create_task(chat(engine, lm, w, j, salt, stop, result)) for j in range(w.chats)]
-    await asyncio.gather(*(agent(engine, lm, w, i, salt, hold_s, result) for i in range(w.agents)))
-    stop.set()
-    await asyncio.gather(*chats)
+    agents = [
+        Agent(
+            f"agent-{salt}-{i}",
+            prompt_ids(lm, w.system_tokens, salt + i) + prompt_ids(lm, 64, salt + 100 + i),
+        )
+        for i in range(w.agents)
+    ]
+    chats = [Chat(j) for j in range(w.chats)]
+    for t in range(w.turns):
+        last = t == w.turns - 1
+        turns = await asyncio.gather(*(agent_turn(engine, w, a, hold_s, last) for a in agents))
+        if t:
+            result.agent[t] = list(turns)
+        if last:
+            break
+        pause = asyncio.gather(asyncio.sleep(w.pause_s), *(chat_turns(engine, lm, w, c, salt) for c in chats))
+        for chat in (await pause)[1:]:
+            result.chat.extend(chat)
+        for i, a in enumerate(agents):  # the tools' results
+            a.ids = a.ids + prompt_ids(lm, w.tool_tokens, salt + 1000 * (t + 1) + i)
     return result
 
 
-def open_engine(lm: LoadedModel, path: Path, l0: int, running: int) -> EmbeddedEngine:
-    """A fresh store (L0 only in memory, L2 read from the disk) and an engine over it."""
+def open_engine(lm: LoadedModel, path: Path, l0: int, l2: int, running: int) -> EmbeddedEngine:
+    """A fresh store (L0 only in memory, L2 read from the disk, or none) and an engine over it."""
     store = KVStore(
-        StoreConfig(l0, 0, 16 << 30, path, device=lm.device, drop_page_cache=True), lm.layout, lm.fingerprint
+        StoreConfig(l0, 0, l2, path, device=lm.device, drop_page_cache=True), lm.layout, lm.fingerprint
     )
     return EmbeddedEngine(
         {MODEL: lm}, {MODEL: store}, config=engine_config(max_running=running, min_free_memory_bytes=0)
@@ -192,15 +206,16 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def report(
-    w: Workload, results: dict[str, list[Result]], l0: int, working_set: int, pins: int, reps: int
-) -> None:
+def report(w: Workload, results: dict[str, list[Result]], l0: int, l2: int, demand: int, reps: int) -> None:
+    l2_text = (
+        f"L2 {l2 / MB:.0f} MB on disk (page cache dropped)" if l2 else "no L2 (what leaves L0 is recomputed)"
+    )
     print(
-        f"\n{w.agents} agents x {w.turns} turns (tool pause {w.pause_s:g} s, tool results {w.tool_tokens} "
-        f"tokens, system prompt {w.system_tokens}) beside {w.chats} chats (+{w.chat_tokens} tokens a turn, "
-        f"new conversation past {w.chat_max}); L0 {l0 / MB:.0f} MB (agents' working set "
-        f"{working_set / MB:.0f} MB, running chats' pins {pins / MB:.0f} MB), L1 0, L2 disk (page cache "
-        f"dropped); {reps} interleaved repetition(s)"
+        f"\n{w.agents} agents x {w.turns} turns (tool results {w.tool_tokens} tokens, system prompt "
+        f"{w.system_tokens}; while their tools run, at least {w.pause_s:g} s, each of {w.chats} chats takes "
+        f"{w.chat_turns} turns of +{w.chat_tokens} tokens, a new conversation past {w.chat_max}); L0 "
+        f"{l0 / MB:.0f} MB ({l0 / demand:.0%} of the agents' working set and the chats' longest histories, "
+        f"{demand / MB:.0f} MB), L1 0, {l2_text}; {reps} interleaved repetition(s)"
     )
     summary: dict[str, dict[str, float]] = {}
     print(
@@ -257,29 +272,31 @@ def report(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.agents", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a ~1 minute run: 2 agents x 3 turns, 2 chats, 1 rep")
-    p.add_argument("--agents", type=int, default=6)
+    p.add_argument("--quick", action="store_true", help="a short run: 2 agents x 4 turns, 3 chats, 1 rep")
+    p.add_argument("--agents", type=int, default=4)
     p.add_argument("--chats", type=int, default=6)
-    p.add_argument("--turns", type=int, default=8)
-    p.add_argument("--pause", type=float, default=4.0, help="seconds a tool runs")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--chat-turns", type=int, default=2, help="turns each chat takes while the tools run")
+    p.add_argument("--pause", type=float, default=2.0, help="seconds a tool runs at least")
+    p.add_argument("--reps", type=int, default=2)
     p.add_argument("--system-tokens", type=int, default=600)
     p.add_argument("--tool-tokens", type=int, default=300)
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--chat-tokens", type=int, default=250)
-    p.add_argument("--chat-max", type=int, default=2000)
+    p.add_argument("--chat-max", type=int, default=3000)
     p.add_argument(
         "--fit",
         type=float,
-        default=1.1,
-        help="L0: this many times the agents' working set, plus the chats' pins",
+        default=0.7,
+        help="L0: this share of the agents' working set plus the chats' longest histories",
     )
+    p.add_argument("--l2-mb", type=int, default=16384, help="L2 on disk; 0: none")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--cache-dir", default="./var/models")
     args = p.parse_args(argv)
     if args.quick:
-        args.agents, args.chats, args.turns, args.pause, args.reps = 2, 2, 3, 1.5, 1
-        args.system_tokens, args.tool_tokens, args.chat_tokens, args.chat_max = 300, 200, 300, 900
+        args.agents, args.chats, args.turns, args.reps = 2, 3, 4, 1
+        args.system_tokens, args.tool_tokens, args.chat_tokens, args.chat_max = 300, 200, 250, 1500
     w = Workload(
         args.agents,
         args.chats,
@@ -290,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         args.answer_tokens,
         args.chat_tokens,
         args.chat_max,
+        args.chat_turns,
     )
     policy = RetentionPolicy.from_settings(Settings())
     assert policy is not None  # the defaults retain
@@ -299,15 +317,14 @@ def main(argv: list[str] | None = None) -> None:
         f"model {MODEL} on {lm.device} as {str(lm.dtype).removeprefix('torch.')}, {torch.get_num_threads()} "
         f"threads; retention holds {hold_s:g} s after a tool call"
     )
-    working_set = w.agents * w.agent_history() * lm.layout.bytes_per_token
-    pins = w.chat_pins() * lm.layout.bytes_per_token
-    l0 = int(args.fit * working_set) + pins
+    demand = (w.agents * w.agent_history() + w.chat_pins()) * lm.layout.bytes_per_token
+    l0, l2 = int(args.fit * demand), args.l2_mb * MB
     results: dict[str, list[Result]] = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             order = VARIANTS if rep % 2 == 0 else tuple(reversed(VARIANTS))
             for j, name in enumerate(order):
-                engine = open_engine(lm, Path(tmp) / f"{name}-{rep}", l0, w.agents + w.chats)
+                engine = open_engine(lm, Path(tmp) / f"{name}-{rep}", l0, l2, w.agents + w.chats)
                 try:
                     asyncio.run(one_turn(engine, prompt_ids(lm, 64, 7), 2, "warm"))
                     salt = 100_000 * (2 * rep + j + 1)
@@ -318,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
                     results[name].append(result)
                 finally:
                     engine.close()
-    report(w, results, l0, working_set, pins, args.reps)
+    report(w, results, l0, l2, demand, args.reps)
 
 
 if __name__ == "__main__":
