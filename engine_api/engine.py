@@ -66,6 +66,12 @@ class Engine(Protocol):
         """Drop this tenant's session from every tier; the number of chunks dropped. Blocking."""
         ...
 
+    def retain(self, tenant: str, session: str, seconds: float) -> None:
+        """Keep this tenant's session in the fastest tier it fits for `seconds` (> 0), ahead of idle
+        sessions: the store gives it up after every unretained chunk (kvtier/retention.py). The serving
+        layer calls it when a turn ends in tool calls or carried a retention hint. Blocking."""
+        ...
+
     async def aclose(self) -> None:
         """On the event loop, before `close`: what the engine holds there (HTTP sessions)."""
         ...

@@ -1,5 +1,5 @@
 """The store's core: the one owner of what the store's parts share (the lock, the prefix index, the
-ordered tiers, the counters, the runner's schedule), and the questions about a chunk that span tiers.
+ordered tiers, the counters, the runner's schedule, the retention table), and the questions about a chunk that span tiers.
 
 Who writes what: the index writes its entries (index.py), each tier its budget and handles (tier_interface.py),
 the counters themselves through their methods (stats.py); the core holds the lock around all of it.
@@ -15,7 +15,8 @@ stats or a lookup never waits behind a copy.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 from .chunk import ChunkKV
 from .config import StoreConfig, resolve_device
@@ -24,6 +25,7 @@ from .layout import KVLayout
 from .load_rates import LoadRates
 from .memory_tier import Copy, MemoryTier
 from .persistent_tier import PersistentTier
+from .retention import Hold, Retention
 from .schedule import Schedule
 from .stats import Counters
 from .tier_interface import TierBackend
@@ -32,8 +34,15 @@ from .tier_names import Tier, tier_rank
 
 class StoreCore:
     def __init__(
-        self, config: StoreConfig, layout: KVLayout, model_fingerprint: str, tiers: Sequence[TierBackend]
+        self,
+        config: StoreConfig,
+        layout: KVLayout,
+        model_fingerprint: str,
+        tiers: Sequence[TierBackend],
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: what retention deadlines are measured on (tests pass their own)."""
         self.config = config
         self.layout = layout
         self.model_fingerprint = model_fingerprint
@@ -51,6 +60,8 @@ class StoreCore:
         self.keep = self.memory if config.placement_hint == "ttft_priority" else self.memory[1:]
         # The runner's queue (schedule.py); None: each tier's own policy order, with pins.
         self.schedule: Schedule | None = None
+        # Sessions kept ahead of idle ones until a deadline (retention.py): eviction gives them up last.
+        self.retention = Retention(clock)
 
     # ---- where a chunk is (lock held) ---------------------------------------------------------------
 
@@ -87,6 +98,10 @@ class StoreCore:
     def set_schedule(self, schedule: Schedule | None) -> None:
         with self.lock:
             self.schedule = schedule
+
+    def retained(self) -> dict[str, Hold]:
+        """Retained chunk keys and the hold that keeps each (lock held; cached while nothing changes)."""
+        return self.retention.chunks(self.index)
 
     # ---- pins ---------------------------------------------------------------------------------------
 

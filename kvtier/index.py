@@ -45,6 +45,14 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._entries: dict[str, Entry] = {}
         self._children: dict[str, set[str]] = {}
+        # Keys by the (namespace, session) that stored them first (ChunkId.session): what a session's
+        # retention covers without walking every entry (retention.py).
+        self._sessions: dict[tuple[str, str], set[str]] = {}
+        self.version = 0  # counts adds and removes: a view derived from the entries (retention) is stale
+
+    def _session_of(self, entry: Entry) -> tuple[str, str] | None:
+        session = entry.chunk.session
+        return (entry.chunk.namespace, session) if session is not None else None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -53,12 +61,31 @@ class PrefixIndex:
         return self._entries.get(key)
 
     def add(self, entry: Entry) -> None:
+        replaced = self._entries.get(entry.key)
+        if replaced is not None and replaced is not entry:
+            self._forget_session_key(replaced)
         self._entries[entry.key] = entry
         self._children.setdefault(entry.chunk.parent, set()).add(entry.key)
+        session = self._session_of(entry)
+        if session is not None:
+            self._sessions.setdefault(session, set()).add(entry.key)
+        self.version += 1
+
+    def _forget_session_key(self, entry: Entry) -> None:
+        session = self._session_of(entry)
+        if session is None:
+            return
+        keys = self._sessions.get(session)
+        if keys is not None:
+            keys.discard(entry.key)
+            if not keys:
+                del self._sessions[session]
 
     def remove(self, key: str) -> Entry | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
+            self.version += 1
+            self._forget_session_key(entry)
             entry.removed = True
             siblings = self._children.get(entry.chunk.parent)
             if siblings is not None:
@@ -72,6 +99,10 @@ class PrefixIndex:
 
     def entries(self) -> Iterator[Entry]:
         return iter(list(self._entries.values()))
+
+    def session_entries(self, namespace: str, session: str) -> list[Entry]:
+        """The entries this session stored first (their ChunkId.session is it)."""
+        return [self._entries[k] for k in self._sessions.get((namespace, session), ())]
 
     # ---- what the store knows of an entry ---------------------------------------------------------
 

@@ -1,15 +1,18 @@
-"""Placement: which tier holds which chunk, always within budget. Moves between tiers are decided here
-and carried out by the tiers' own methods (admit, drop) and the index's (remove).
+"""Placement: which tier holds which chunk, always within budget. Moves between tiers are decided here and
+carried out by the tiers' own methods (admit, drop) and the index's (remove).
 
-Eviction demotes (a memory tier's victim goes to the slower memory tiers) before it drops, the
-persistent tier drops in its policy's order, and a pinned or schedule-protected chunk (or, on disk, one
-whose save is in flight) is never a victim. Every method runs with the store lock held and copies
-nothing: a move to another device comes back as a Copy, which the caller runs once it has released the
-lock (StoreCore.run_copies).
+Eviction demotes (a memory tier's victim goes to the slower memory tiers) before it drops, the persistent
+tier drops in its policy's order, and a pinned or schedule-protected chunk (or, on disk, one whose save
+is in flight) is never a victim. Retained chunks (retention.py) are victims only after every other chunk,
+and a chunk no hold keeps goes to a slower tier rather than push a held one out; when one goes all the
+same (memory ran out), its hold is broken: counted once per hold, and logged. Every method runs with the
+store lock held and copies nothing: a move to another device comes back as a Copy, which the caller runs
+once it has released the lock (StoreCore.run_copies).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 from .chunk import ChunkKV
@@ -17,6 +20,8 @@ from .core import StoreCore
 from .index import Entry
 from .memory_tier import Copy, MemoryTier
 from .tier_interface import TierBackend
+
+log = logging.getLogger(__name__)
 
 
 class Placement:
@@ -36,33 +41,58 @@ class Placement:
 
     def place(self, entry: Entry, data: ChunkKV, copies: list[Copy], tiers: Sequence[MemoryTier]) -> bool:
         """Put `data` in the first of `tiers` where it fits (demoting victims); False if none. Appends to
-        `copies` what must move between devices (victims included)."""
+        `copies` what must move between devices (victims included).
+
+        A chunk no retention hold keeps goes to a slower tier rather than push a held session out of a
+        faster one: a hold gives way only where memory would otherwise run out (no tier could take the
+        chunk without it), and then the earliest deadline first (the eviction order)."""
         core = self._core
-        for tier in tiers:
-            if core.memory_tier_of(entry.key) is tier:
-                tier.touch(entry.key)
+        retained = core.retained()
+        spare_holds = bool(retained) and entry.key not in retained
+        for may_break_holds in (False, True) if spare_holds else (True,):
+            for tier in tiers:
+                if core.memory_tier_of(entry.key) is tier:  # already here: nothing faster took it
+                    tier.touch(entry.key)
+                    return True
+                victims = tier.victims(entry.nbytes, self._evictable(), core.schedule, retained)
+                if victims is None or (not may_break_holds and any(k in retained for k in victims)):
+                    continue
+                for key in victims:
+                    self._evict_memory(tier, key, copies)
+                current = core.memory_tier_of(entry.key)  # after the victims: a demotion may have moved it
+                if current is not None:
+                    current.drop(entry.key)
+                copies.append(tier.place(entry.key, entry.nbytes, data))
                 return True
-            victims = tier.victims(entry.nbytes, self._evictable(), core.schedule)
-            if victims is None:
-                continue
-            for key in victims:
-                self._evict_memory(tier, key, copies)
-            current = core.memory_tier_of(entry.key)  # after the victims: a demotion may have moved it
-            if current is not None:
-                current.drop(entry.key)
-            copies.append(tier.place(entry.key, entry.nbytes, data))
-            return True
         return False
 
     def _evict_memory(self, tier: MemoryTier, key: str, copies: list[Copy]) -> None:
         """A memory tier's victim goes to the slower memory tiers where it fits, else leaves memory."""
         entry = self._index.get(key)
         assert entry is not None
+        self._leaving(key, tier.name)
         data = tier.drop(key, evicted=True)
         slower = self._core.memory[self._core.memory.index(tier) + 1 :]
         if data is not None and slower and self.place(entry, data, copies, slower):
             return
         self._left_memory(entry)
+
+    def _leaving(self, key: str, tier: str) -> None:
+        """A chunk is evicted from `tier`: if a retention hold keeps it, pressure broke that hold (the
+        eviction order gave up every unretained chunk first)."""
+        core = self._core
+        hold = core.retained().get(key)
+        if hold is None or not core.retention.broke(hold):
+            return
+        core.counters.retention_broken()
+        log.warning(
+            "kvtier: memory pressure broke the retention of session %s (%.0f s before its deadline): "
+            "its KV leaves %s (%d holds broken so far)",
+            hold.session,
+            hold.deadline - core.retention.now(),
+            tier,
+            core.counters.retention_evictions,
+        )
 
     def _left_memory(self, entry: Entry) -> None:
         if self._index.take_prefetched(entry):
@@ -75,7 +105,7 @@ class Placement:
         eviction order: what the schedule needs soonest is demoted last. Returns the bytes that left it."""
         evictable = self._evictable()
         freed = 0
-        for key in tier.ordered(self._core.schedule):
+        for key in tier.ordered(self._core.schedule, self._core.retained()):
             e = self._index.get(key)
             if e is not None and key in tier and evictable(key):
                 freed += e.nbytes
@@ -90,12 +120,13 @@ class Placement:
         evictable = self._evictable()
         freed = 0
         for tier in reversed(core.memory):
-            for key in tier.ordered(core.schedule):
+            for key in tier.ordered(core.schedule, core.retained()):
                 if freed >= nbytes:
                     return freed
                 e = self._index.get(key)
                 if e is None or core.backing.read(key) is None or not evictable(key):
                     continue
+                self._leaving(key, tier.name)
                 tier.drop(key, evicted=True)
                 self._left_memory(e)
                 freed += e.nbytes
@@ -104,12 +135,14 @@ class Placement:
     def make_room(self, tier: TierBackend, entry: Entry, deletes: list[str]) -> bool:
         """Evict from a persistent tier until the entry fits (the victims' keys are added to `deletes`,
         for the caller to delete once the lock is released); False if it cannot fit."""
-        victims = tier.victims(entry.nbytes, self._evictable(), self._core.schedule)
+        victims = tier.victims(entry.nbytes, self._evictable(), self._core.schedule, self._core.retained())
         if victims is None:
             return False
         for key in victims:
             victim = self._index.get(key)
             assert victim is not None
+            if self._core.memory_tier_of(key) is None:  # its last copy goes (a memory copy keeps it)
+                self._leaving(key, tier.name)
             if tier.drop(key, evicted=True) is not None:
                 deletes.append(key)
             if not self._core.usable(victim):

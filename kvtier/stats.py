@@ -30,6 +30,7 @@ class Counters:
     prefetch_completed: int = 0  # of those, placed in a memory tier
     prefetch_used: int = 0  # of those, matched by a job's lookup while still in memory
     prefetch_wasted: int = 0  # of those, evicted from memory before any job used them
+    retention_evictions: int = 0  # retention holds broken by pressure (a retained chunk evicted early)
 
     def lookup(self, tier: Tier | None) -> None:
         """A counted lookup: a hit of its slowest tier, or a miss (None)."""
@@ -74,6 +75,9 @@ class Counters:
     def prefetch_was_wasted(self) -> None:
         self.prefetch_wasted += 1
 
+    def retention_broken(self) -> None:
+        self.retention_evictions += 1
+
 
 @dataclass(frozen=True)
 class TierStats:
@@ -103,6 +107,10 @@ class StoreStats:
     prefetch_completed: int
     prefetch_used: int
     prefetch_wasted: int
+    # Retention (retention.py): sessions held now, their chunks' bytes per tier, holds broken by pressure.
+    retained_sessions: int = 0
+    retained_bytes: dict[str, int] = field(default_factory=_per_tier)
+    retention_evictions: int = 0
 
     def to_dict(self) -> dict:
         """JSON-able: {"tiers": {"l0": {"used_bytes", "capacity_bytes", "entries"}, ...}, "hits": {...}, ...}."""

@@ -8,6 +8,7 @@ one part per idea, around one StoreCore (core.py: the lock, the index, the order
     saving.py         background writes
     loading.py        the load path: load threads, layer by layer, promotion
     prefetch.py       the scheduler's look-ahead
+    retention.py      sessions kept ahead of idle ones until a deadline (agents waiting on a tool)
 
 The invariants (stated in core.py): no tier above capacity, pinned entries never evicted, an entry
 leaves the index when no tier holds it; tensor copies and disk I/O happen outside the lock.
@@ -16,6 +17,7 @@ leaves the index when no tier holds it; tensor copies and disk I/O happen outsid
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -48,13 +50,19 @@ class KVStore:
         model_fingerprint: str,
         *,
         tiers: Mapping[Tier, TierFactory] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`tiers`: backends to use instead of the registered ones for some tiers (tier_registry.py)."""
+        """`tiers`: backends to use instead of the registered ones for some tiers (tier_registry.py).
+        `clock`: seconds, what retention deadlines are measured on (tests pass their own)."""
         self.config = config
         self.layout = layout
         self.model_fingerprint = model_fingerprint
         self._core = core = StoreCore(
-            config, layout, model_fingerprint, build_tiers(config, layout, model_fingerprint, tiers)
+            config,
+            layout,
+            model_fingerprint,
+            build_tiers(config, layout, model_fingerprint, tiers),
+            clock=clock,
         )
         self.device = core.device
         self._closed = False
@@ -173,6 +181,14 @@ class KVStore:
         """The runner's queue as eviction sees it (schedule.py); None: each tier's own policy order."""
         self._core.set_schedule(schedule)
 
+    def retain(self, namespace: str, session: str, seconds: float) -> float:
+        """Keep this session's chunks (those it stored, and the chains they continue) where they are for
+        `seconds`: every tier gives up every unretained chunk before them, and the earliest deadline
+        first among retained ones (retention.py). The chunks the session stores meanwhile are kept too.
+        A hold already running longer stays as it is. Returns the deadline (on the store's clock)."""
+        with self._core.lock:
+            return self._core.retention.retain(namespace, session, seconds)
+
     # ---- put ---------------------------------------------------------------------------------------
 
     def put(
@@ -276,7 +292,10 @@ class KVStore:
         return len(victims)
 
     def forget_session(self, namespace: str, session: str) -> int:
-        """Drop the chunks this session stored (first writer wins the tag) from every tier."""
+        """Drop the chunks this session stored (first writer wins the tag) from every tier, and its
+        retention."""
+        with self._core.lock:
+            self._core.retention.release(namespace, session)
         return self._forget(lambda c: c.namespace == namespace and c.session == session)
 
     def forget_namespace(self, namespace: str) -> int:
@@ -286,6 +305,7 @@ class KVStore:
         core = self._core
         with core.lock:
             c = core.counters
+            retained = core.retained()
             return StoreStats(
                 tiers={t.name: TierStats(t.used, t.capacity, len(t)) for t in core.tiers},
                 hits=dict(c.hits),
@@ -306,6 +326,12 @@ class KVStore:
                 prefetch_completed=c.prefetch_completed,
                 prefetch_used=c.prefetch_used,
                 prefetch_wasted=c.prefetch_wasted,
+                retained_sessions=len(core.retention.holds()),
+                retained_bytes={
+                    t.name: sum(e.nbytes for k in retained if k in t and (e := core.index.get(k)) is not None)
+                    for t in core.tiers
+                },
+                retention_evictions=c.retention_evictions,
             )
 
     def flush(self, timeout: float | None = None) -> None:

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from .eviction import EvictionPolicy, Usage
+from .retention import Hold, retention_order
 from .schedule import Schedule, eviction_order
 from .tier_names import Tier
 
@@ -97,13 +98,17 @@ class TierBackend(ABC, Generic[H]):
         """Whether this tier could let the chunk go now (a subclass says no while it writes it)."""
         return True
 
-    def ordered(self, schedule: Schedule | None) -> list[str]:
+    def ordered(self, schedule: Schedule | None, retained: Mapping[str, Hold] | None = None) -> list[str]:
         """The keys of every chunk the tier may give up, in the order it would (a list: the caller may
-        evict while it walks it)."""
-        return list(self._eviction_order(schedule))
+        evict while it walks it). `retained`: the store's retained chunks (retention.py), which go last."""
+        return list(self._eviction_order(schedule, retained))
 
     def victims(
-        self, nbytes: int, evictable: Callable[[str], bool], schedule: Schedule | None
+        self,
+        nbytes: int,
+        evictable: Callable[[str], bool],
+        schedule: Schedule | None,
+        retained: Mapping[str, Hold] | None = None,
     ) -> list[str] | None:
         """Keys to let go so that `nbytes` more fit, in eviction order (`ordered`), taking only those that
         `evictable` and the tier allow; None if that is impossible (then nothing is to go)."""
@@ -113,7 +118,7 @@ class TierBackend(ABC, Generic[H]):
         if need <= 0:
             return []
         chosen: list[str] = []
-        for key in self._eviction_order(schedule):
+        for key in self._eviction_order(schedule, retained):
             if need <= 0:
                 break
             if evictable(key) and self.evictable(key):
@@ -121,12 +126,19 @@ class TierBackend(ABC, Generic[H]):
                 need -= self._usage[key].nbytes
         return chosen if need <= 0 else None
 
-    def _eviction_order(self, schedule: Schedule | None) -> Iterator[str]:
-        """The one place where the schedule meets the policy: the policy's order, then the schedule's
-        (protected chunks left out, see schedule.py). Lazy without a schedule: victims stops reading
-        once it has room."""
+    def _eviction_order(
+        self, schedule: Schedule | None, retained: Mapping[str, Hold] | None = None
+    ) -> Iterator[str]:
+        """The one place where the schedule and retention meet the policy: the policy's order, then the
+        schedule's (protected chunks left out, see schedule.py), then retained chunks moved last,
+        earliest deadline first (retention.py). Lazy with neither: victims stops reading once it has
+        room."""
         keys = self.policy.order(self._usage.values())
-        return keys if schedule is None else iter(eviction_order(keys, schedule))
+        if schedule is not None:
+            keys = iter(eviction_order(keys, schedule))
+        if retained:
+            keys = iter(retention_order(keys, retained))
+        return keys
 
     def _charge(self, key: str, nbytes: int) -> None:
         if key in self._usage:

@@ -241,6 +241,12 @@ class EmbeddedEngine:
         """Drop one tenant's session from every model's store; returns the chunks dropped. Blocking."""
         return sum(store.forget_session(tenant, session) for store in self.stores.values())
 
+    def retain(self, tenant: str, session: str, seconds: float) -> None:
+        """Every model's store keeps the session for `seconds` (a session uses one model: the others
+        hold none of its chunks, so the hold costs them nothing). Blocking (the stores' locks)."""
+        for store in self.stores.values():
+            store.retain(tenant, session, seconds)
+
     def reusable_tokens(self, request: GenerationRequest) -> int:
         """Prompt tokens of this request whose KV is stored now (a look, not counted as a hit or miss).
         Blocking (the store's lock, perhaps a file header): call it off the event loop."""

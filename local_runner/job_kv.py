@@ -35,6 +35,11 @@ class LayerSource(Protocol):
 
     def wait_layer(self, i: int) -> None: ...
 
+    @property
+    def ready(self) -> bool:
+        """Every layer in place: wait_layer waits for no load."""
+        ...
+
 
 class JobKV:
     def __init__(self, pool: PagePool) -> None:

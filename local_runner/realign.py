@@ -96,6 +96,13 @@ def used_tokens_by_tier(match: PrefixMatch, found: Realignment) -> dict[str, int
     return counts
 
 
+# A move gathers at most this many bytes of keys and values at once. Where the restore is complete, the
+# layers not moved yet go together, in a handful of operations instead of a handful per layer: on a small,
+# busy CPU each operation is a parallel region that may wait for a core (docs/benchmarks.md, "Positional
+# decoupling"). The bound keeps a long context's move from holding a second copy of its KV.
+MOVE_BATCH_BYTES = 64 << 20
+
+
 class ShiftedKV(LayerSource):
     """A restored previous sequence in a job's pages, each layer moved into place on first use (on the
     runner's thread, once per layer): [keep, keep + n) <- [src, src + n), keys rotated by -shift."""
@@ -110,6 +117,10 @@ class ShiftedKV(LayerSource):
         self._done: set[int] = set()
         self._lock = threading.Lock()
 
+    @property
+    def ready(self) -> bool:
+        return self._restored.ready
+
     def _indices(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(page, offset) of the moved tokens where they are and where they go, made once."""
         if self._index is None:
@@ -122,18 +133,37 @@ class ShiftedKV(LayerSource):
         self._restored.wait_layer(i)
         with self._lock:
             if i not in self._done:
-                k_pages, v_pages = self._kv.pool.layer(i)
-                src_pages, src_offsets, dst_pages, dst_offsets = self._indices(k_pages.device)
-                if self._matrix is None:
-                    matrix = self._rope.matrix(-self._found.shift, k_pages.shape[-1])
-                    self._matrix = matrix.to(k_pages.device)
-                with torch.inference_mode():
-                    keys = k_pages[src_pages, :, src_offsets]  # copies: the runs may overlap
-                    values = v_pages[src_pages, :, src_offsets]
-                    moved = torch.mm(keys.to(torch.float32).reshape(-1, keys.shape[-1]), self._matrix)
-                    k_pages[dst_pages, :, dst_offsets] = moved.view(keys.shape).to(k_pages.dtype)
-                    v_pages[dst_pages, :, dst_offsets] = values
-                self._done.add(i)
+                self._move(self._batch_from(i))
+
+    def _batch_from(self, i: int) -> range:
+        """The layers to move now: i, and after it those not moved yet while the restore has every layer
+        in place and the batch stays within MOVE_BATCH_BYTES."""
+        pool = self._kv.pool
+        layers = pool.layout.num_layers
+        if not self._restored.ready:
+            return range(i, i + 1)
+        per_layer = 2 * self._found.n * pool.layout.num_kv_heads * pool.layout.head_dim * pool.layout.itemsize
+        end = min(layers, i + max(1, MOVE_BATCH_BYTES // max(1, per_layer)))
+        for j in range(i + 1, end):
+            if j in self._done:
+                return range(i, j)
+        return range(i, end)
+
+    def _move(self, layers: range) -> None:
+        """With the lock held: move `layers` (consecutive) in one gather, one product and one scatter."""
+        buf = self._kv.pool.buffer[layers.start : layers.stop]  # [layers, pages, 2, heads, page, dim]
+        src_pages, src_offsets, dst_pages, dst_offsets = self._indices(buf.device)
+        if self._matrix is None:
+            self._matrix = self._rope.matrix(-self._found.shift, buf.shape[-1]).to(buf.device)
+        with torch.inference_mode():
+            kv = buf[
+                :, src_pages, :, :, src_offsets
+            ]  # [tokens, layers, 2, heads, dim], a copy: runs may overlap
+            keys = kv[:, :, 0]
+            moved = torch.mm(keys.to(torch.float32).reshape(-1, keys.shape[-1]), self._matrix)
+            keys.copy_(moved.view(keys.shape))
+            buf[:, dst_pages, :, :, dst_offsets] = kv
+        self._done.update(layers)
 
 
 class ShiftStats:

@@ -99,6 +99,19 @@ class _StoreCollector(Collector):
             "Look-ahead prefetches: issued, completed, used by a job, wasted (evicted unused)",
             labels=["model", "outcome"],
         )
+        retained = GaugeMetricFamily(
+            "attnstore_retained_sessions",
+            "Sessions the store retains now (an agent waiting on a tool, a retention hint)",
+            labels=["model"],
+        )
+        retained_bytes = GaugeMetricFamily(
+            "attnstore_retained_bytes", "Bytes of retained sessions' KV per tier", labels=["model", "tier"]
+        )
+        retention_evictions = CounterMetricFamily(
+            "attnstore_retention_evictions",
+            "Retention holds broken by memory pressure (a retained session's KV evicted before its deadline)",
+            labels=["model"],
+        )
         for model, s in self._stats().items():
             for tier, t in s.get("tiers", {}).items():
                 used.add_metric([model, tier], t.get("used_bytes", 0))
@@ -116,6 +129,10 @@ class _StoreCollector(Collector):
                 reused.add_metric([model, tier], n)
             for outcome in ("issued", "completed", "used", "wasted"):
                 prefetch.add_metric([model, outcome], s.get(f"prefetch_{outcome}", 0))
+            retained.add_metric([model], s.get("retained_sessions", 0))
+            for tier, n in s.get("retained_bytes", {}).items():
+                retained_bytes.add_metric([model, tier], n)
+            retention_evictions.add_metric([model], s.get("retention_evictions", 0))
         yield from (
             used,
             cap,
@@ -129,6 +146,9 @@ class _StoreCollector(Collector):
             skipped,
             reused,
             prefetch,
+            retained,
+            retained_bytes,
+            retention_evictions,
         )
 
 

@@ -9,6 +9,7 @@ made at start (`make_l2_folder`).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -103,6 +104,18 @@ class PositionEncoding(_Strict):
     max_context_tokens: PositiveInt = 8192
 
 
+class Retention(_Strict):
+    """Sessions the store keeps in the fastest tier they fit, ahead of idle ones, until a deadline
+    (kvtier/retention.py): an agent's session whose last answer ended in tool calls, for
+    `tool_call_wait_s`, and a session whose request carried a retention hint (OpenAI's
+    `prompt_cache_retention`, Anthropic's `cache_control.ttl`), for the hint, at most `max_hint_s`.
+    `enabled: false`: nothing is retained (hints are still validated, then ignored)."""
+
+    enabled: bool = True
+    tool_call_wait_s: Annotated[float, Meta(ge=0)] = 30  # 0: answers ending in tool calls retain nothing
+    max_hint_s: Annotated[float, Meta(gt=0)] = 3600
+
+
 class AttentionStoreSettings(_Strict):
     enabled: bool = True
     session_key: Annotated[str, Meta(min_length=1)] = "session_id"
@@ -110,6 +123,7 @@ class AttentionStoreSettings(_Strict):
     preload: Preload = field(default_factory=Preload)
     scheduler_aware: SchedulerAware = field(default_factory=SchedulerAware)
     position_encoding: PositionEncoding = field(default_factory=PositionEncoding)
+    retention: Retention = field(default_factory=Retention)
 
 
 class LLMEndpoint(_Strict):
@@ -290,6 +304,15 @@ def _check_values(s: Settings, base_dir: Path, check_paths: bool) -> None:
         for name, path in lr.chat_templates.items():
             if not resolve_path(path, base_dir).is_file():
                 raise SettingsError(f"local_runner.chat_templates.{name}: no file at {path!r}")
+    retention = s.attention_store.retention
+    for key in ("tool_call_wait_s", "max_hint_s"):
+        if not math.isfinite(getattr(retention, key)):
+            raise SettingsError(f"attention_store.retention.{key}: must be a finite number of seconds")
+    if retention.tool_call_wait_s > retention.max_hint_s:
+        raise SettingsError(
+            f"attention_store.retention.tool_call_wait_s: {retention.tool_call_wait_s:g} is longer than "
+            f"max_hint_s ({retention.max_hint_s:g}), the longest any session is retained"
+        )
     if not _INDEX.match(s.proxy.session_index):
         raise SettingsError(
             f"proxy.session_index: {s.proxy.session_index!r} is neither 'memory' nor a redis:// URL"

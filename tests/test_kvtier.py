@@ -477,7 +477,9 @@ def test_concurrent_put_and_get(tmp_path):
     every load is exact and no tier overflows. The save queue holds every chunk the test makes, so each
     chunk evicted from memory is in L2 (a chunk whose save a full queue skipped lives in memory only
     and may be evicted between lookup and acquire; the skip test covers that)."""
-    s = make(tmp_path, l0=6 * CB, l1=6 * CB, l2=40 * CB, async_save=True, save_workers=2, save_queue_chunks=64)
+    s = make(
+        tmp_path, l0=6 * CB, l1=6 * CB, l2=40 * CB, async_save=True, save_workers=2, save_queue_chunks=64
+    )
     errors: list[BaseException] = []
 
     def worker(w: int) -> None:

@@ -176,3 +176,52 @@ def test_a_model_without_rope_is_not_shifted():
     model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2))
     reason = rope_shift_for(model)
     assert isinstance(reason, str) and "bloom" in reason
+
+
+class _Restored:
+    """A finished (or not yet finished) restore: every layer already in the job's pages."""
+
+    def __init__(self, ready: bool) -> None:
+        self.ready = ready
+
+    def wait_layer(self, i: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("ready", "batch_bytes"), [(True, 64 << 20), (True, 2 * 20 * 2 * 2 * 16 * 4), (False, 64 << 20)]
+)
+def test_shifted_kv_moves_every_layer_like_a_rotation(monkeypatch, ready, batch_bytes):
+    """ShiftedKV moves [src, src + n) to [keep, keep + n) in every layer, keys rotated by -shift and
+    values copied, across page borders and with overlapping runs: the layers not moved yet together once
+    the restore is complete (in batches within MOVE_BATCH_BYTES: here all 5, or 2 at a time), else one
+    layer per wait. Nothing outside the target run changes."""
+    from kvtier import KVLayout
+    from local_runner import realign
+    from local_runner.job_kv import JobKV
+
+    monkeypatch.setattr(realign, "MOVE_BATCH_BYTES", batch_bytes)
+    layout = KVLayout(num_layers=5, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    kv = JobKV.standalone(layout, torch.device("cpu"), capacity=48, page_tokens=16)
+    buf = kv.pool.buffer
+    buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(0)))
+    before = buf.clone()
+    found = realign.Realignment(keep=3, src=10, n=20)  # [10, 30) -> [3, 23): the runs overlap
+    shift = RopeShift(inv_freq=1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)))
+    shifted = realign.ShiftedKV(_Restored(ready), found, shift, kv)
+
+    shifted.wait_layer(0)
+    assert shifted._done == ({0, 1} if batch_bytes < 1 << 20 else set(range(5)) if ready else {0})
+    for i in range(1, 5):
+        shifted.wait_layer(i)
+
+    src_pages, src_offsets = kv.token_slots(found.src, found.source_end)
+    dst_pages, dst_offsets = kv.token_slots(found.keep, found.reused)
+    for i in range(5):
+        keys, values = before[i, src_pages, 0, :, src_offsets], before[i, src_pages, 1, :, src_offsets]
+        assert rel_err(buf[i, dst_pages, 0, :, dst_offsets], shift.rotate(keys, -found.shift)) <= 1e-5
+        assert torch.equal(buf[i, dst_pages, 1, :, dst_offsets], values)
+    untouched = [t for t in range(48) if not found.keep <= t < found.reused]
+    pages, offsets = kv.token_slots(0, 48)
+    keep = [pages[t] for t in untouched], [offsets[t] for t in untouched]
+    assert torch.equal(buf[:, keep[0], :, :, keep[1]], before[:, keep[0], :, :, keep[1]])

@@ -265,6 +265,15 @@ def test_a_forgotten_session_matches_nothing(engine: Engine):
     assert engine.scheduler.matched_tokens("r2", 0) == 0
 
 
+def test_the_proxy_retains_a_session_through_the_store_socket(engine: Engine):
+    """The path forget takes: the proxy's `retain` reaches the store's table (kvtier/retention.py)."""
+    _first_turn(engine, list(range(21)), answer=5, blocks=[3, 4, 5, 6, 7, 8, 9])
+    assert engine.service.turn("turn-1", wait_s=10, saved=True) is not None  # the turn's put is done
+    assert engine.service.handlers()["retain"](namespace="t", session="s1", seconds=30) > 0
+    stats = engine.service.stats()
+    assert stats["retained_sessions"] == 1 and stats["retained_bytes"]["l1"] > 0
+
+
 def test_a_corrupt_l2_chunk_becomes_blocks_vllm_recomputes(tmp_path: Path):
     engines = _engine(tmp_path, l1_bytes=0)  # disk only: every restore reads its files
     e = next(engines)

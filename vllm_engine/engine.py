@@ -35,7 +35,7 @@ from kvtier.tier_names import tier_rank
 
 from .link.wire import AsyncStoreClient, StoreError, StoreUnavailable
 from .server import VllmServer
-from .store_view import forget, store_stats
+from .store_view import forget, retain, store_stats
 from .stream import Delta, Finish, StreamError, TokenUsage, completion_events
 
 log = logging.getLogger("attnstore")
@@ -107,6 +107,10 @@ class VllmEngine:
 
     def forget_session(self, tenant: str, session: str) -> int:
         return sum(forget(m.server, tenant, session) for m in self.models.values())
+
+    def retain(self, tenant: str, session: str, seconds: float) -> None:
+        for m in self.models.values():
+            retain(m.server, tenant, session, seconds)
 
     async def aclose(self) -> None:
         if self._http is not None:

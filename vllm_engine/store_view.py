@@ -1,8 +1,9 @@
-"""The store of a vLLM server, seen from attnstore's threads: its stats and forgetting a session.
+"""The store of a vLLM server, seen from attnstore's threads: its stats, forgetting and retaining a
+session.
 
-Both are blocking socket calls (the proxy runs them off its event loop, as it does the embedded
+All are blocking socket calls (the proxy runs them off its event loop, as it does the embedded
 runner's). A store that does not answer (vLLM gone, or started without the store) reads as no stats
-and nothing forgotten, never as an error of the endpoint.
+and nothing forgotten or retained, never as an error of the endpoint.
 """
 
 from __future__ import annotations
@@ -44,3 +45,13 @@ def forget(server: VllmServer, tenant: str, session: str) -> int:
     except (StoreUnavailable, StoreError) as exc:
         log.warning("attnstore: the store of vLLM for %s did not answer: %s", server.name, exc)
         return 0
+
+
+def retain(server: VllmServer, tenant: str, session: str, seconds: float) -> None:
+    """Keep the session in the store's memory (its L1: vLLM's own KV memory plays L0) for `seconds`."""
+    if server.store is None:
+        return
+    try:
+        server.store.call("retain", namespace=tenant, session=session, seconds=seconds)
+    except (StoreUnavailable, StoreError) as exc:
+        log.warning("attnstore: the store of vLLM for %s did not answer: %s", server.name, exc)

@@ -69,6 +69,35 @@ class ResponsesRequest(ApiRequest):
         self.turn = count_turn(self.messages)
 
 
+# OpenAI's `prompt_cache_retention` values as retention hints, in seconds. "in_memory": OpenAI keeps a
+# cached prefix 5-10 minutes idle (up to an hour off-peak): 10 minutes. "24h": a day. Either is capped by
+# attention_store.retention.max_hint_s where the store is asked (proxy/serving/retention.py).
+PROMPT_CACHE_RETENTION_S = {"in_memory": 600.0, "24h": 86400.0}
+
+
+def prompt_cache_key(body: dict[str, Any]) -> str | None:
+    """OpenAI's `prompt_cache_key` (it stays in the body: it is OpenAI's field), validated: a string."""
+    key = body.get("prompt_cache_key")
+    if key is not None and not isinstance(key, str):
+        raise bad_request("'prompt_cache_key' must be a string.", param="prompt_cache_key")
+    return key
+
+
+def retention_hint(body: dict[str, Any]) -> float | None:
+    """OpenAI's `prompt_cache_retention` as a hint in seconds (None: absent or null); anything but its
+    two values is a 400 naming the param."""
+    given = body.get("prompt_cache_retention")
+    if given is None:
+        return None
+    hint = PROMPT_CACHE_RETENTION_S.get(given) if isinstance(given, str) else None
+    if hint is None:
+        allowed = ", ".join(repr(v) for v in PROMPT_CACHE_RETENTION_S)
+        raise bad_request(
+            f"'prompt_cache_retention' must be one of {allowed}.", param="prompt_cache_retention"
+        )
+    return hint
+
+
 def count_turn(messages: list[dict[str, Any]]) -> int:
     """Turn index from 0: the number of user messages before the last one."""
     users = sum(1 for m in messages if m.get("role") == "user")
@@ -126,7 +155,13 @@ def parse_chat(raw: bytes) -> ChatRequest:
         raise bad_request("'messages' is required and must be a non-empty array.", param="messages")
     for i, msg in enumerate(messages):
         check_chat_message(msg, i)
-    return ChatRequest(**_common_fields(raw, body), turn=count_turn(messages), messages=messages)
+    prompt_cache_key(body)
+    return ChatRequest(
+        **_common_fields(raw, body),
+        turn=count_turn(messages),
+        messages=messages,
+        retention_hint_s=retention_hint(body),
+    )
 
 
 def _is_token_ids(value: object) -> bool:
@@ -220,6 +255,7 @@ def parse_responses(raw: bytes) -> ResponsesRequest:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean.", param="stream")
+    prompt_cache_key(body)
     return ResponsesRequest(
         body=body,
         raw=raw,
@@ -232,4 +268,5 @@ def parse_responses(raw: bytes) -> ResponsesRequest:
         instructions=instructions,
         previous_response_id=previous,
         store=store,
+        retention_hint_s=retention_hint(body),
     )

@@ -12,11 +12,14 @@ A local turn, for every API and every engine:
 4. at the first token the `Turn` learns what was reused (its X-AttentionStore-* headers go out with
    the answer), and the answer is written in the API's shape (`answers.py`);
 5. before the client sees the end: the log line and metrics (`Turn.finish`), the session indexed with
-   the chunk keys the turn saved, and for the Responses API the response stored by its id.
+   the chunk keys the turn saved, the session retained in the store when the answer ended in tool calls
+   or the request carried a retention hint (`retention.py`), and for the Responses API the response
+   stored by its id.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
@@ -47,6 +50,7 @@ from .messages_answer import MessagesAnswer
 from .options import ChatSetup, sampling_params, unsupported_reason
 from .prompts import PromptBuilder
 from .response_store import ResponseStore, StoredResponse
+from .retention import RetentionPolicy
 from .structured import response_format_grammar
 from .tools import (
     ToolCallParser,
@@ -116,6 +120,7 @@ class LocalServing:
         chat_templates: Mapping[str, str] | None = None,
         tool_call_parsers: Mapping[str, str] | None = None,
         chunk_tokens: int = 0,
+        retention: RetentionPolicy | None = None,
     ) -> None:
         self.engine = engine
         self.prompts = PromptBuilder(engine, truncate=truncate_on_overflow, threads=tokenize_threads)
@@ -128,6 +133,7 @@ class LocalServing:
         self.upstream_model = upstream_model  # the model the upstream serves too ("": none)
         self._templates = dict(chat_templates or {})  # served model -> its chat template's text
         self._parsers = dict(tool_call_parsers or {})  # served model -> its tool-call format
+        self.retention = retention  # None: no session is retained (hints are ignored)
         self._setups: dict[str, ChatSetup] = {}
         # What the store keeps of a turn, for Anthropic's cache usage (whole chunks, when reuse is on).
         self.accounting = CacheAccounting(chunk_tokens, stores=reuse)
@@ -174,6 +180,7 @@ class LocalServing:
             chat_templates=chat_templates(settings, base_dir),
             tool_call_parsers=settings.local_runner.tool_call_parsers,
             chunk_tokens=settings.local_runner.kv_chunk_tokens,
+            retention=RetentionPolicy.from_settings(settings),
         )
 
     # -- the seam's questions (the rest is the engine's: `self.engine`) --------------------------------
@@ -356,6 +363,10 @@ class LocalServing:
                 tokens=done.prompt_tokens + done.completion_tokens,
             )
             await self.index.put(turn.tenant, turn.session, record)
+        if self.reuse and self.retention is not None:
+            seconds = self.retention.seconds(req.retention_hint_s, answer.ended_in_tool_calls())
+            if seconds > 0:  # the store's lock (or, under vLLM, its socket): off the event loop
+                await asyncio.to_thread(self.engine.retain, turn.tenant, turn.session, seconds)
         if isinstance(req, ResponsesRequest) and req.store:
             conversation = [*req.conversation, {"role": "assistant", "content": answer.text}]
             stored = StoredResponse(model=req.model, conversation=conversation, response=answer.body(done))

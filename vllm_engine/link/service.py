@@ -3,8 +3,8 @@
 vLLM's scheduler asks it how much of a prompt is stored, has it prefetch waiting requests' chunks, hands
 it the queue (eviction order) and each scheduled turn's report; the worker side (worker.py) amends a
 report whose load failed and records the keys a finished turn saved; attnstore's proxy reads a turn's
-report (reused tokens per tier, for its headers) and saved keys (for its session index), forgets
-sessions, and reads the stats. The reports are kept for the last `max_turns` turns only.
+report (reused tokens per tier, for its headers) and saved keys (for its session index), forgets and
+retains sessions, and reads the stats. The reports are kept for the last `max_turns` turns only.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class StoreService:
             "report": self.report,
             "turn": self.turn,
             "forget": self.forget,
+            "retain": self.retain,
             "schedule": self.schedule,
             "stats": self.stats,
             "flush": self.flush,
@@ -156,6 +157,11 @@ class StoreService:
         with self._lock:
             self._forgotten.append((namespace, session))
         return dropped
+
+    def retain(self, namespace: str, session: str, seconds: float) -> float:
+        """Keep the session in the store's memory ahead of idle ones (kvtier/retention.py); the
+        deadline, on the store's clock."""
+        return self.store.retain(namespace, session, float(seconds))
 
     def stats(self) -> dict[str, Any]:
         return self.store.stats().to_dict()
