@@ -363,6 +363,39 @@ def test_count_tokens_equals_the_turns_prompt(server):
     assert plain.input_tokens < counted.input_tokens  # the tools are rendered into the prompt
 
 
+@pytest.mark.model
+def test_a_cache_control_hint_and_a_tool_use_answer_retain_the_session(server):
+    """The retention seam: cache_control's ttl is the turn's hint, and an answer ending in tool_use
+    holds its session through the tool's wait; a plain answer without a hint holds nothing."""
+
+    def retained() -> int:
+        return http_request("GET", server.url + "/v1/attention_store/stats").json()["retained_sessions"]
+
+    c = client(server)
+    hi = {"type": "text", "text": "Hi"}
+    c.messages.create(
+        model=MODEL, max_tokens=4, extra_body=GREEDY, messages=[{"role": "user", "content": [hi]}]
+    )
+    assert retained() == 0
+    hinted = {**hi, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    c.messages.create(
+        model=MODEL,
+        max_tokens=4,
+        extra_body=GREEDY,
+        messages=[{"role": "user", "content": [hinted]}],
+        extra_headers={"X-Session-Id": "hinted"},
+    )
+    assert retained() == 1
+    done, _ = tool_turn(
+        c,
+        [{"role": "user", "content": "Find the parser."}],
+        stream=False,
+        tool_choice=FORCED,
+        extra_headers={"X-Session-Id": "agent"},
+    )
+    assert done.stop_reason == "tool_use" and retained() == 2
+
+
 def system_prompt() -> str:
     """A Claude-Code-like system prompt of about a thousand tokens."""
     rules = [
