@@ -17,6 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("bench", "proxy", "engine_api", "kvtier", "local_runner")
 BENCH_MODULES = (
+    "bench.agents",
     "bench.multiturn",
     "bench.peers",
     "bench.replica_forwarding",
