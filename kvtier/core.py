@@ -1,5 +1,6 @@
-"""The store's core: the one owner of what the store's parts share (the lock, the prefix index, the
-ordered tiers, the counters, the runner's schedule, the retention table), and the questions about a chunk that span tiers.
+"""The store's core: the one owner of what the store's parts share (the lock, the prefix index, the ordered
+tiers, the counters, the runner's schedule, the retention table), and the questions about a chunk that
+span tiers.
 
 Who writes what: the index writes its entries (index.py), each tier its budget and handles (tier_interface.py),
 the counters themselves through their methods (stats.py); the core holds the lock around all of it.

@@ -6,8 +6,6 @@ settings are validated at start, and a turn that ends in tool calls retains its 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import openai
 import orjson
 import pytest
@@ -19,21 +17,9 @@ from proxy.settings import SettingsError, parse_settings
 from proxy.turns.session import prefix_fingerprint, resolve_session
 from tests.model_fixture import MODEL
 from tests.servers import http_request
+from tests.test_agents import SEARCH, TEMPLATE  # the tools template and a tool the model calls
 
 MSGS = [{"role": "user", "content": "hi"}]
-TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
-SEARCH = {
-    "type": "function",
-    "function": {
-        "name": "search_files",
-        "description": "Search the repository for a text.",
-        "parameters": {
-            "type": "object",
-            "properties": {"query": {"type": "string", "maxLength": 40}},
-            "required": ["query"],
-        },
-    },
-}
 
 
 def client(server) -> openai.OpenAI:

@@ -14,14 +14,11 @@ Bad input is a 400 whose message names the field as Anthropic's does (`messages.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from ..errors import bad_request
-from ..openai.requests import ApiRequest, ChatRequest
+from ..openai.requests import ApiRequest, ChatRequest, json_object
+from ..turns.session import prefix_fingerprint
 from .content import (
     Converter,
     Hints,
@@ -55,12 +52,7 @@ class MessagesRequest(ApiRequest):
 
 
 def _load(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object.")
+    body = json_object(raw)
     model = body.get("model")
     if model is None:
         raise fail("model", "Field required")
@@ -208,7 +200,6 @@ def _without_cache_control(value: Any) -> Any:
 def messages_fingerprint(body: dict[str, Any]) -> str:
     """A Messages conversation's session without an id: the model, the system prompt and the messages up
     to the first user message, the same on every turn of the conversation."""
-    messages = body.get("messages") or []
-    end = next((i + 1 for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), 1)
-    prefix = _without_cache_control([body.get("model"), body.get("system"), messages[:end]])
-    return "fp-" + hashlib.sha256(orjson.dumps(prefix, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+    system = {"role": "system", "content": body.get("system")}
+    messages = _without_cache_control([system, *(body.get("messages") or [])])
+    return prefix_fingerprint(str(body.get("model", "")), messages)

@@ -1,6 +1,7 @@
-"""The turn endpoints: POST /v1/chat/completions, /v1/completions, /v1/responses (with GET and
-DELETE /v1/responses/{id}) and Anthropic's /v1/messages (with /v1/messages/count_tokens). Each parses its body, resolves tenant and session, and routes the turn:
-served locally (the serving layer, either engine) or upstream.
+"""The turn endpoints: POST /v1/chat/completions, /v1/completions, /v1/responses (with GET and DELETE
+/v1/responses/{id}) and Anthropic's /v1/messages (with /v1/messages/count_tokens). Each parses its body,
+resolves tenant and session, and routes the turn: served locally (the serving layer, either engine) or
+upstream.
 
 The request's `Turn` (opened by the middleware) learns who is asking and where the turn goes; whoever
 serves it reports the rest to it, and an error raised anywhere is answered and finished by the middleware.

@@ -104,13 +104,19 @@ def count_turn(messages: list[dict[str, Any]]) -> int:
     return max(0, users - 1)
 
 
-def _load_object(raw: bytes) -> dict[str, Any]:
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, else a 400 (every turn endpoint, whatever its API)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object.")
+    return body
+
+
+def _load_object(raw: bytes) -> dict[str, Any]:
+    body = json_object(raw)
     if "model" not in body:
         raise missing("model")
     model = body.get("model")
