@@ -156,14 +156,13 @@ class Loading:
         try:
             with core.lock:
                 core.counters.loaded(core.nbytes(n_tokens))
-                for e in pinned:
-                    if e.removed:
-                        continue
+                live = [e for e in pinned if not e.removed]
+                for e in live:
                     tier = core.memory_tier_of(e.key)
                     data = tier.read(e.key) if tier is not None else from_disk.get(e.key)
                     if data is not None and tier is not core.memory[0]:
                         self._placement.place(e, data, copies, core.keep)
-                    self._placement.touch(e)
+                self._placement.touch_chain(live)
             core.run_copies(copies)
         except Exception:
             log.exception("kvtier: promotion after a load failed")

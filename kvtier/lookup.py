@@ -57,8 +57,8 @@ class Lookups:
         core = self._core
         chunks = tuple(ChunkRef(st.entry.key, st.start, st.n_tokens, core.tier_of(st.entry)) for st in steps)
         match = PrefixMatch(namespace, sum(st.n_tokens for st in steps), chunks)
+        self._placement.touch_chain([st.entry for st in steps])
         for st, ref in zip(steps, chunks, strict=True):
-            self._placement.touch(st.entry)
             if count:
                 core.counters.chunk_matched(ref.tier, st.n_tokens)
                 in_memory = core.memory_tier_of(st.entry.key) is not None

@@ -52,7 +52,7 @@ class Placement:
         for may_break_holds in (False, True) if spare_holds else (True,):
             for tier in tiers:
                 if core.memory_tier_of(entry.key) is tier:  # already here: nothing faster took it
-                    tier.touch(entry.key)
+                    tier.touch(entry.key, counted=False)
                     return True
                 victims = tier.victims(entry.nbytes, self._evictable(), core.schedule, retained)
                 if victims is None or (not may_break_holds and any(k in retained for k in victims)):
@@ -158,6 +158,13 @@ class Placement:
         self._index.remove(entry.key)
         return [entry.key] if stored is not None else []
 
-    def touch(self, entry: Entry) -> None:
-        for tier in self._core.tiers:
-            tier.touch(entry.key)
+    def touch_chain(self, entries: Sequence[Entry], *, counted: bool = True) -> None:
+        """Touch a chain's chunks (root first as given) in every tier, the deepest first: so no chunk is
+        ever less recently used than a chunk below it in its chain, and a recency order gives a chain up
+        from its end, leaving a prefix that still matches, never from its head, which would leave every
+        chunk below it unreachable while it still takes room. (vLLM frees a request's blocks tail first
+        for the same reason; SGLang's radix cache evicts leaves only.) `counted`: each is one use more
+        (a lookup or a load), or only the order is restored (a put, whose new chunks came in last)."""
+        for entry in reversed(entries):
+            for tier in self._core.tiers:
+                tier.touch(entry.key, counted=counted)

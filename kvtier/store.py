@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 
 from .adoption import Adoption
-from .chunk import ChunkId, copy_blocks, copy_chunks
+from .chunk import ChunkId, ChunkKV, copy_blocks, copy_chunks
 from .chunk_keys import chain, chunk_spans, root_key
 from .config import PrefixMatch, StoreConfig
 from .core import StoreCore
@@ -235,18 +235,26 @@ class KVStore:
         deletes: list[str] = []
         copies: list[Copy] = []
         with core.lock:
+            new: list[tuple[Entry, ChunkKV]] = []
             for i in todo:
                 if self._have(chunks[i], result, i):
                     continue  # another thread stored it meanwhile
                 entry = Entry(chunks[i], core.nbytes(chunks[i].n_tokens))
                 core.index.add(entry)
                 self._drop_superseded(entry, deletes)
-                self._placement.place(entry, data[i], copies, core.keep)
-                save = self._saving.reserve(entry, data[i], deletes)
+                save = self._saving.reserve(entry, data[i], deletes)  # head first: a full queue skips the end
                 if save is not None:
                     saves.append(save)
+                new.append((entry, data[i]))
+            # The deepest first: where the chain does not fit, its own end gives way to its head (placed
+            # later, so used more recently), never the other way round (see Placement.touch_chain).
+            for entry, chunk_data in reversed(new):
+                self._placement.place(entry, chunk_data, copies, core.keep)
+            for entry, _ in new:
                 if not core.usable(entry):  # fits nowhere (everything pinned, or tiers disabled)
                     core.index.remove(entry.key)
+            chain = [e for e in map(core.index.get, result) if e is not None]
+            self._placement.touch_chain(chain, counted=False)  # the prefix above the new chunks, later
         core.run_copies(copies)
         core.backing.delete(deletes)
         self._saving.submit(saves)  # never blocks: a save the full queue cannot take is skipped

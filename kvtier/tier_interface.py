@@ -86,12 +86,14 @@ class TierBackend(ABC, Generic[H]):
 
     # ---- budget and eviction order --------------------------------------------------------------------
 
-    def touch(self, key: str) -> None:
-        """The chunk was used: most recently used now, one use more."""
+    def touch(self, key: str, *, counted: bool = True) -> None:
+        """The chunk was used: most recently used now, and one use more when `counted` (not when only its
+        chain's order is restored, Placement.touch_chain)."""
         usage = self._usage.get(key)
         if usage is not None:
             self._clock += 1
-            usage.last_used, usage.uses = self._clock, usage.uses + 1
+            usage.last_used = self._clock
+            usage.uses += counted
             self._usage.move_to_end(key)
 
     def evictable(self, key: str) -> bool:

@@ -244,6 +244,27 @@ def test_l2_drops_least_recently_used_file(tmp_path):
     assert len(files(tmp_path)) == 2
 
 
+@pytest.mark.parametrize(("tier", "policy"), [("l0", "lru"), ("l0", "lfu"), ("l2", "lru")])
+def test_pressure_gives_a_chain_up_from_its_end_so_its_prefix_still_matches(tmp_path, tier, policy):
+    """A conversation of 4 chunks, stored over two turns and looked up, then another of 4: 2 chunks must
+    go, and they go from the end of a chain, so what is left of it still matches (had its head gone, the
+    rest would be unreachable). LRU gives up the first conversation's last two; LFU the second's, which
+    no lookup has used yet (its own head is placed last, so its end gives way to it)."""
+    l0, l2 = (6 * CB, 0) if tier == "l0" else (0, 6 * CB)
+    s = make(tmp_path, l0=l0, l1=0, l2=l2, l0_eviction=policy)
+    s.put("t", toks(8), kv(8, seed=1))
+    s.put("t", toks(16), kv(16, seed=1))  # the next turn: two chunks more below the first two
+    assert s.lookup("t", toks(16)).tokens == 16
+    s.put("t", toks(16, 100), kv(16, seed=2))
+    kept = (8, 16) if policy == "lru" else (16, 8)
+    assert (
+        s.lookup("t", toks(16), count=False).tokens,
+        s.lookup("t", toks(16, 100), count=False).tokens,
+    ) == kept
+    assert s.stats().evictions_by_tier[tier] == 2
+    s.close()
+
+
 def test_pinned_entries_survive_pressure(tmp_path):
     s = make(tmp_path, l0=CB, l1=0, l2=CB)
     a = kv(4, seed=1)
