@@ -43,6 +43,9 @@ class StoreConfig:
     l0_eviction: str = "lru"
     l1_eviction: str = "lru"
     l2_format: str = "safetensors"
+    # The most of each tier that retention holds keep ahead of everything else (retention.py): the rest
+    # stays in the tier's own order for every session, however many holds clients ask for.
+    retention_max_share: float = 0.8
 
     def __post_init__(self) -> None:
         self.l2_path = Path(self.l2_path)
@@ -52,6 +55,8 @@ class StoreConfig:
         for name in ("l0_eviction", "l1_eviction"):
             if getattr(self, name) not in EVICTION_POLICIES:
                 raise ValueError(f"{name} must be one of {', '.join(EVICTION_POLICIES)}")
+        if not 0 < self.retention_max_share <= 1:
+            raise ValueError(f"retention_max_share must be in (0, 1], got {self.retention_max_share}")
         if self.l2_format not in L2_FORMATS:
             raise ValueError(f"l2_format must be one of {', '.join(L2_FORMATS)}")
         if self.placement_hint not in PLACEMENT_HINTS:

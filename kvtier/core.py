@@ -104,6 +104,27 @@ class StoreCore:
         """Retained chunk keys and the hold that keeps each (lock held; cached while nothing changes)."""
         return self.retention.chunks(self.index)
 
+    def retained_in(self, tier: TierBackend) -> dict[str, Hold]:
+        """The retained chunks this tier keeps ahead of the others (lock held): the latest deadlines
+        first, up to `retention_max_share` of its capacity. A hold past that share is ordered as any
+        chunk is, so holds never take a whole tier from the sessions that asked for none."""
+        retained = self.retained()
+        if not retained:
+            return retained
+        budget = self.config.retention_max_share * tier.capacity
+        kept: dict[str, Hold] = {}
+        for key, hold in sorted(
+            ((k, h) for k, h in retained.items() if k in tier), key=lambda kh: kh[1].deadline, reverse=True
+        ):
+            entry = self.index.get(key)
+            if entry is None:
+                continue
+            budget -= entry.nbytes
+            if budget < 0:
+                break
+            kept[key] = hold
+        return kept
+
     # ---- pins ---------------------------------------------------------------------------------------
 
     def pin(self, entries: Iterable[Entry]) -> list[Entry]:

@@ -54,8 +54,9 @@ class Placement:
                 if core.memory_tier_of(entry.key) is tier:  # already here: nothing faster took it
                     tier.touch(entry.key, counted=False)
                     return True
-                victims = tier.victims(entry.nbytes, self._evictable(), core.schedule, retained)
-                if victims is None or (not may_break_holds and any(k in retained for k in victims)):
+                kept = core.retained_in(tier)
+                victims = tier.victims(entry.nbytes, self._evictable(), core.schedule, kept)
+                if victims is None or (not may_break_holds and any(k in kept for k in victims)):
                     continue
                 for key in victims:
                     self._evict_memory(tier, key, copies)
@@ -105,7 +106,7 @@ class Placement:
         eviction order: what the schedule needs soonest is demoted last. Returns the bytes that left it."""
         evictable = self._evictable()
         freed = 0
-        for key in tier.ordered(self._core.schedule, self._core.retained()):
+        for key in tier.ordered(self._core.schedule, self._core.retained_in(tier)):
             e = self._index.get(key)
             if e is not None and key in tier and evictable(key):
                 freed += e.nbytes
@@ -120,7 +121,7 @@ class Placement:
         evictable = self._evictable()
         freed = 0
         for tier in reversed(core.memory):
-            for key in tier.ordered(core.schedule, core.retained()):
+            for key in tier.ordered(core.schedule, core.retained_in(tier)):
                 if freed >= nbytes:
                     return freed
                 e = self._index.get(key)
@@ -135,7 +136,9 @@ class Placement:
     def make_room(self, tier: TierBackend, entry: Entry, deletes: list[str]) -> bool:
         """Evict from a persistent tier until the entry fits (the victims' keys are added to `deletes`,
         for the caller to delete once the lock is released); False if it cannot fit."""
-        victims = tier.victims(entry.nbytes, self._evictable(), self._core.schedule, self._core.retained())
+        victims = tier.victims(
+            entry.nbytes, self._evictable(), self._core.schedule, self._core.retained_in(tier)
+        )
         if victims is None:
             return False
         for key in victims:

@@ -109,11 +109,14 @@ class Retention(_Strict):
     (kvtier/retention.py): an agent's session whose last answer ended in tool calls, for
     `tool_call_wait_s`, and a session whose request carried a retention hint (OpenAI's
     `prompt_cache_retention`, Anthropic's `cache_control.ttl`), for the hint, at most `max_hint_s`.
-    `enabled: false`: nothing is retained (hints are still validated, then ignored)."""
+    `enabled: false`: nothing is retained (hints are still validated, then ignored). Holds keep at most
+    `max_share` of each tier ahead of other sessions (the latest deadlines first): the rest of the tier
+    stays in its own order for everyone, however many holds clients ask for."""
 
     enabled: bool = True
     tool_call_wait_s: Annotated[float, Meta(ge=0)] = 30  # 0: answers ending in tool calls retain nothing
     max_hint_s: Annotated[float, Meta(gt=0)] = 3600
+    max_share: Annotated[float, Meta(gt=0, le=1)] = 0.8
 
 
 class AttentionStoreSettings(_Strict):

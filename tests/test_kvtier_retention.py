@@ -24,8 +24,11 @@ class Clock:
         return self.now
 
 
-def make(tmp_path, clock: Clock, l0: int, l1: int = 0, l2: int = 100 * CB) -> KVStore:
-    cfg = StoreConfig(l0, l1, l2, tmp_path / "l2", chunk_tokens=CHUNK, async_save=False)
+def make(tmp_path, clock: Clock, l0: int, l1: int = 0, l2: int = 100 * CB, share: float = 1.0) -> KVStore:
+    """`share`: the most of a tier holds keep ahead of the rest (all of it unless a test is about that)."""
+    cfg = StoreConfig(
+        l0, l1, l2, tmp_path / "l2", chunk_tokens=CHUNK, async_save=False, retention_max_share=share
+    )
     return KVStore(cfg, LAYOUT, FP, clock=clock)
 
 
@@ -66,6 +69,27 @@ def test_an_unretained_chunk_goes_down_a_tier_rather_than_push_a_hold_out(tmp_pa
     c = put(s, "c", 200)
     assert (tier(s, a), tier(s, b), tier(s, c)) == ("l0", "l0", "l1")
     assert s.stats().retention_evictions == 0
+
+
+def test_holds_keep_at_most_their_share_of_a_tier_the_latest_deadlines_first(tmp_path):
+    """Three sessions held in an L0 of 4 chunks whose holds may keep half: the two latest deadlines stay
+    ahead of everyone, the earliest is ordered as any chunk (least recently used: it goes first), so a
+    session that asked for nothing still finds room in L0."""
+    clock = Clock()
+    s = make(tmp_path, clock, l0=4 * CB, l1=100 * CB, share=0.5)
+    a, b, c = put(s, "a", 0), put(s, "b", 100), put(s, "c", 200)
+    s.retain("t", "a", 10)
+    s.retain("t", "b", 30)
+    s.retain("t", "c", 20)
+    d = put(s, "d", 300)
+    e = put(s, "e", 400)  # L0 is full: a goes, held past the share, the least recently used
+    assert [tier(s, x) for x in (a, b, c, d, e)] == ["l1", "l0", "l0", "l0", "l0"]
+    f = put(s, "f", 500)  # then d, never b or c
+    assert [tier(s, x) for x in (b, c, d, e, f)] == ["l0", "l0", "l1", "l0", "l0"]
+    st = s.stats()
+    assert st.retention_evictions == 1 and st.retained_sessions == 3
+    with pytest.raises(ValueError, match="retention_max_share"):
+        StoreConfig(CB, 0, 0, tmp_path / "x", retention_max_share=0)
 
 
 def test_among_retained_sessions_the_earliest_deadline_goes_first(tmp_path):

@@ -11,6 +11,8 @@ import orjson
 import pytest
 
 from proxy.errors import APIError
+from proxy.local.build import open_stores
+from proxy.local_vllm.config import connector_options
 from proxy.openai.requests import parse_chat, parse_responses
 from proxy.serving.retention import RetentionPolicy
 from proxy.settings import SettingsError, parse_settings
@@ -18,6 +20,8 @@ from proxy.turns.session import prefix_fingerprint, resolve_session
 from tests.model_fixture import MODEL
 from tests.servers import http_request
 from tests.test_agents import SEARCH, TEMPLATE  # the tools template and a tool the model calls
+from tests.tiny_model import tiny_loaded
+from vllm_engine.link.options import ConnectorOptions
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -102,6 +106,8 @@ def test_the_fields_go_upstream_untouched_and_a_bad_one_is_refused_before(proxy,
     [
         ({"tool_call_wait_s": -1}, "tool_call_wait_s"),
         ({"max_hint_s": 0}, "max_hint_s"),
+        ({"max_share": 0}, "max_share"),
+        ({"max_share": 1.5}, "max_share"),
         ({"tool_call_wait_s": 120, "max_hint_s": 60}, "tool_call_wait_s"),
         ({"enabled": "yes"}, "enabled"),
         ({"ttl": 5}, "ttl"),
@@ -129,6 +135,19 @@ def test_retention_settings_make_the_policy():
         orjson.dumps({"attention_store": {"retention": {"enabled": False}}}), check_paths=False, env={}
     )
     assert RetentionPolicy.from_settings(off) is None
+
+
+def test_the_share_holds_may_keep_reaches_both_engines_stores(tmp_path):
+    settings = parse_settings(
+        orjson.dumps({"attention_store": {"retention": {"max_share": 0.6}}}), check_paths=False, env={}
+    )
+    stores = open_stores(settings, {MODEL: tiny_loaded()}, base_dir=tmp_path)
+    try:
+        assert stores[MODEL].config.retention_max_share == 0.6
+    finally:
+        stores[MODEL].close()
+    options = ConnectorOptions.from_extra(connector_options(settings, tmp_path))
+    assert options.retention_max_share == 0.6
 
 
 # ---- served locally, the real model --------------------------------------------------------------------

@@ -62,6 +62,7 @@ def open_stores(
                 chunk_tokens=settings.local_runner.kv_chunk_tokens,
                 async_save=store_settings.preload.async_save,
                 placement_hint=store_settings.scheduler_aware.placement_hint,
+                retention_max_share=store_settings.retention.max_share,
             ),
             lm.layout,
             lm.fingerprint,

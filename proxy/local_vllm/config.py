@@ -44,6 +44,7 @@ def connector_options(settings: Settings, base_dir: Path) -> dict[str, Any]:
         "drop_page_cache": settings.local_runner.l2_drop_page_cache,
         "l1_eviction": tiering.l1_host.eviction,
         "l2_format": tiering.l2_disk.format,
+        "retention_max_share": store.retention.max_share,
     }
 
 

@@ -35,6 +35,7 @@ class ConnectorOptions:
     drop_page_cache: bool = False
     l1_eviction: str = "lru"
     l2_format: str = "safetensors"
+    retention_max_share: float = 0.8  # the most of each tier retention holds keep ahead of the rest
     # A request waits at most this long for its prefetch, then loads from disk during its step.
     max_prefetch_wait_s: float = 5.0
 

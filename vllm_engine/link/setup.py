@@ -134,6 +134,7 @@ def open_worker(
             drop_page_cache=options.drop_page_cache,
             l1_eviction=options.l1_eviction,
             l2_format=options.l2_format,
+            retention_max_share=options.retention_max_share,
         ),
         layout,
         fingerprint,
