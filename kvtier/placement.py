@@ -165,9 +165,9 @@ class Placement:
         """Touch a chain's chunks (root first as given) in every tier, the deepest first: so no chunk is
         ever less recently used than a chunk below it in its chain, and a recency order gives a chain up
         from its end, leaving a prefix that still matches, never from its head, which would leave every
-        chunk below it unreachable while it still takes room. (vLLM frees a request's blocks tail first
-        for the same reason; SGLang's radix cache evicts leaves only.) `counted`: each is one use more
-        (a lookup or a load), or only the order is restored (a put, whose new chunks came in last)."""
+        chunk below it unreachable while it still takes room. (Paged engines free a request's blocks
+        tail first for the same reason; a radix cache evicts leaves only.) `counted`: each is one use
+        more (a lookup or a load), or only the order is restored (a put, whose new chunks came in last)."""
         for entry in reversed(entries):
             for tier in self._core.tiers:
                 tier.touch(entry.key, counted=counted)
