@@ -6,15 +6,27 @@
 # reference check sets them): exactness on the 135M shape (reuse == recompute, batched == alone), speed
 # and reuse on the 8B shape, the tiers' GB/s; then the same with batch_invariant true. Prints each
 # figure; everything is kept in OUT_DIR (log.txt, pytest.txt, *.jsonl, serve.log). PHASES picks phases (default
-# all: tests models perf correct tiers exact, in that order: the most wanted figures first).
+# all: tests models perf correct tiers exact, in that order: the most wanted figures first). BUDGET_S
+# (seconds, default none) bounds the whole check: each phase's time limit is cut to what is left, and a
+# phase with under 30 s left is skipped, saying so, so that a device call with a hard limit (600 s)
+# returns every figure measured before it rather than being killed in the middle of one.
 set -u
 PY=${PY:-python3}
 P=$(pwd); OUT=$(readlink -f "$1"); W=${2:-}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 T0=$(date +%s); el() { echo "=== $(( $(date +%s) - T0 )) s: $*"; }
+BUDGET_S=${BUDGET_S:-0}
+lim() {  # lim SECONDS: the phase's own limit, or what is left of BUDGET_S (10 s kept to stop a server)
+  local left=$(( BUDGET_S - ($(date +%s) - T0) - 10 ))
+  if [ "$BUDGET_S" -le 0 ] || [ "$1" -le "$left" ]; then echo "$1"; else echo "$(( left > 1 ? left : 1 ))"; fi
+}
 PHASES=${PHASES:-"tests models perf correct tiers exact"}
-has() { [[ " $PHASES " == *" $1 "* ]]; }
+has() {  # has PHASE: asked for, and BUDGET_S leaves it 30 s
+  [[ " $PHASES " == *" $1 "* ]] || return 1
+  [ "$BUDGET_S" -le 0 ] || [ "$(( BUDGET_S - ($(date +%s) - T0) ))" -ge 30 ] && return 0
+  el "skip $1: under 30 s of BUDGET_S=$BUDGET_S left"; return 1
+}
 el env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [ -n "$W" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$W"/*.whl || exit 3
@@ -29,13 +41,13 @@ M=/dev/shm/attnstore-models
 TP=""
 if has tests; then  # the CUDA tests, beside the models' build (both are short of the device)
   el cuda-tests-start
-  (timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_ops.py \
+  (timeout "$(lim 200)" $PY -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_ops.py \
     tests/test_kvtier_cuda.py tests/test_kvtier.py tests/test_reuse_policy.py tests/test_cuda_step.py \
     > "$OUT/pytest.txt" 2>&1; echo "pytest rc $?" >> "$OUT/pytest.txt") & TP=$!
 fi
 if has models; then
   el models
-  timeout 200 $PY -m bench.gpu.make_models "$M" --models ${MODELS:-m135,m8b} --device ${MODEL_DEVICE:-cuda} || echo "make_models rc $?"
+  timeout "$(lim 200)" $PY -m bench.gpu.make_models "$M" --models ${MODELS:-m135,m8b} --device ${MODEL_DEVICE:-cuda} || echo "make_models rc $?"
 fi
 if [ -n "$TP" ]; then wait $TP; el cuda-tests; tail -15 "$OUT/pytest.txt"; fi
 SP=""
@@ -47,7 +59,7 @@ serve() {  # serve PHASE MODEL TAG
 }
 stop() { kill $SP 2>/dev/null; for _ in 1 2 3 4 5; do kill -0 $SP 2>/dev/null || break; sleep 1; done; kill -9 $SP 2>/dev/null; sleep 1; }
 health() { curl -s http://127.0.0.1:8081/healthz | head -c 1500; echo; }
-drive() { timeout "$1" $PY bench/gpu/drive.py --base http://127.0.0.1:8081 "${@:2}" > /dev/null; }
+drive() { timeout "$(lim "$1")" $PY bench/gpu/drive.py --base http://127.0.0.1:8081 "${@:2}" > /dev/null; }
 if has perf; then
   el speed-8b-shape
   serve perf ${PERF_MODEL:-m8b} perf
@@ -62,7 +74,7 @@ if has correct; then
 fi
 if has tiers; then
   el tiers
-  timeout 120 $PY -m bench.tier_transfers --tokens 8192 --reps 3 --layout 8b
+  timeout "$(lim 120)" $PY -m bench.tier_transfers --tokens 8192 --reps 3 --layout 8b
 fi
 if has exact; then
   el exact-batch-invariant
