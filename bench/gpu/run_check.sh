@@ -5,11 +5,15 @@
 # the CUDA tests, then attnstore at its defaults (but the model, the tiers and max_running, as the
 # reference check sets them): exactness on the 135M shape (reuse == recompute, batched == alone), speed
 # and reuse on the 8B shape, the tiers' GB/s; then the same with batch_invariant true. Prints each
-# figure; everything is kept in OUT_DIR (log.txt, pytest.txt, *.jsonl, serve.log). PHASES picks phases (default
-# all: tests models perf correct tiers exact, in that order: the most wanted figures first). BUDGET_S
-# (seconds, default none) bounds the whole check: each phase's time limit is cut to what is left, and a
-# phase with under 30 s left is skipped, saying so, so that a device call with a hard limit (600 s)
-# returns every figure measured before it rather than being killed in the middle of one.
+# figure; everything is kept in OUT_DIR (log.txt, pytest.txt, *.jsonl, serve.log, settings-*.json).
+# Environment (defaults are the device check's):
+#   PHASES    tests models perf correct tiers exact (all, in that order: the most wanted figures first)
+#   BUDGET_S  bounds the whole check (default none): each phase's time limit is cut to what is left and
+#             a phase with under 30 s left is skipped, saying so, so that a device call with a hard limit
+#             (600 s) returns every figure measured before it rather than being killed inside one
+#   PY, PORT (8081), MODELS_DIR, MODELS (m135,m8b), MODEL_DEVICE (cuda), DEVICE (auto), PERF_MODEL (m8b),
+#   LENGTHS, EXACT_LENGTHS, STREAMS, DECODE, CONVS, WORDS, TIER_TOKENS, TIER_LAYOUT: smaller runs, such
+#   as tests/test_gpu_check.py's dry run of this script on a CPU
 set -u
 PY=${PY:-python3}
 P=$(pwd); OUT=$(readlink -f "$1"); W=${2:-}
@@ -36,8 +40,9 @@ else
 fi
 export PYTHONUNBUFFERED=1
 $PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" || exit 4
-M=/dev/shm/attnstore-models
-[ "$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)" -gt 40 ] || M=/tmp/attnstore-models
+M=${MODELS_DIR:-/dev/shm/attnstore-models}
+[ -n "${MODELS_DIR:-}" ] || [ "$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)" -gt 40 ] || M=/tmp/attnstore-models
+PORT=${PORT:-8081}
 TP=""
 if has tests; then  # the CUDA tests, beside the models' build (both are short of the device)
   el cuda-tests-start
@@ -52,14 +57,15 @@ fi
 if [ -n "$TP" ]; then wait $TP; el cuda-tests; tail -15 "$OUT/pytest.txt"; fi
 SP=""
 serve() {  # serve PHASE MODEL TAG
-  $PY -m bench.gpu.settings "$1" "$M/$2" "$2" "/tmp/attnstore-kv-$3" > "/tmp/attnstore-$3.json"
-  rm -rf "/tmp/attnstore-kv-$3"
+  local kv="/tmp/attnstore-kv-$PORT-$3"
+  $PY -m bench.gpu.settings "$1" "$M/$2" "$2" "$kv" > "$OUT/settings-$3.json"
+  rm -rf "$kv"
   echo "===== serve $3: $(date +%T)" >> "$OUT/serve.log"
-  $PY -m proxy serve --settings "/tmp/attnstore-$3.json" --port 8081 >> "$OUT/serve.log" 2>&1 & SP=$!
+  $PY -m proxy serve --settings "$OUT/settings-$3.json" --port "$PORT" >> "$OUT/serve.log" 2>&1 & SP=$!
 }
-stop() { kill $SP 2>/dev/null; for _ in 1 2 3 4 5; do kill -0 $SP 2>/dev/null || break; sleep 1; done; kill -9 $SP 2>/dev/null; sleep 1; }
-health() { curl -s http://127.0.0.1:8081/healthz | head -c 1500; echo; }
-drive() { timeout "$(lim "$1")" $PY bench/gpu/drive.py --base http://127.0.0.1:8081 "${@:2}" > /dev/null; }
+stop() { kill $SP 2>/dev/null; for _ in 1 2 3 4 5; do kill -0 $SP 2>/dev/null || break; sleep 1; done; kill -9 $SP 2>/dev/null; sleep 1; rm -rf /tmp/attnstore-kv-"$PORT"-*; }
+health() { curl -s "http://127.0.0.1:$PORT/healthz" | head -c 1500; echo; }
+drive() { timeout "$(lim "$1")" $PY bench/gpu/drive.py --base "http://127.0.0.1:$PORT" "${@:2}" > /dev/null; }
 if has perf; then
   el speed-8b-shape
   serve perf ${PERF_MODEL:-m8b} perf
@@ -69,20 +75,20 @@ fi
 if has correct; then
   el correctness-135m-shape
   serve correct m135 correct
-  drive 150 --model m135 --phase correct --out "$OUT/correct.jsonl" --convs 6 --words 300
+  drive 150 --model m135 --phase correct --out "$OUT/correct.jsonl" --convs ${CONVS:-6} --words ${WORDS:-300}
   health; grep -E '"summary' "$OUT/correct.jsonl" | cut -c1-400; stop
 fi
 if has tiers; then
   el tiers
-  timeout "$(lim 120)" $PY -m bench.tier_transfers --tokens 8192 --reps 3 --layout 8b
+  timeout "$(lim 120)" $PY -m bench.tier_transfers --tokens ${TIER_TOKENS:-8192} --reps 3 --layout ${TIER_LAYOUT:-8b}
 fi
 if has exact; then
   el exact-batch-invariant
   BI=1 serve correct m135 exact-correct
-  drive 150 --model m135 --phase correct --out "$OUT/exact-correct.jsonl" --convs 6 --words 300
+  drive 150 --model m135 --phase correct --out "$OUT/exact-correct.jsonl" --convs ${CONVS:-6} --words ${WORDS:-300}
   health; grep -E '"summary' "$OUT/exact-correct.jsonl" | cut -c1-400; stop
-  BI=1 serve perf m8b exact-perf
-  drive 200 --model m8b --phase perf --out "$OUT/exact-perf.jsonl" --lengths ${EXACT_LENGTHS:-1000,8000,16000,22000} --streams 1,8,32 --decode 128
+  BI=1 serve perf ${PERF_MODEL:-m8b} exact-perf
+  drive 200 --model ${PERF_MODEL:-m8b} --phase perf --out "$OUT/exact-perf.jsonl" --lengths ${EXACT_LENGTHS:-1000,8000,16000,22000} --streams ${STREAMS:-1,8,32} --decode ${DECODE:-128}
   health; $PY bench/gpu/drive.py --summarize "$OUT/exact-perf.jsonl"; stop
 fi
 el done

@@ -2,7 +2,7 @@
 
 API keys per tenant, so a recompute (another tenant) never reuses. Environment: BI (1: batch_invariant
 true, 0: false, unset: the default), MAXRUN (max_running, perf; default 32), L0MB / L1MB (the tiers,
-perf), DEVICE (auto)."""
+perf), DEVICE (auto), PORT (8081)."""
 
 import json
 import os
@@ -38,7 +38,7 @@ settings = {
     },
     "proxy": {
         "host": "127.0.0.1",
-        "port": 8081,
+        "port": int(os.environ.get("PORT", 8081)),
         "session_index": "memory",
         "replica_id": "",
         "api_keys": ["main"]
