@@ -106,8 +106,9 @@ test-vllm: install-dev vllm
 
 # The GPU check (docs/benchmarks.md, "On a GPU"): on a machine with a CUDA GPU, no network and no venv
 # (the machine's python3 with torch, Triton, transformers; WHEELS: a folder of wheels for what it lacks,
-# bench/gpu/wheels.txt lists them, bench/gpu/fetch_wheels.sh downloads them into .whl). Builds random-weight models on the GPU, runs the CUDA tests, serves
-# them and prints every figure; OUT keeps the logs.
+# bench/gpu/wheels.txt lists them, bench/gpu/fetch_wheels.sh downloads them into .whl). Builds
+# random-weight models on the GPU, runs the CUDA tests, serves them and prints every figure; OUT keeps the
+# logs.
 OUT ?= var/gpu-check
 WHEELS ?=
 gpu-check:
