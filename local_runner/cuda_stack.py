@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import triton_ops
+from . import triton_attention, triton_ops
 from .packed_attention import PackedPlan, attend
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -62,7 +62,13 @@ class CudaStack:
 
     @staticmethod
     def unfit(model: Any) -> str | None:
-        """None when every layer has the fused projections this forward reads, else why not."""
+        """None when every layer has the fused projections this forward reads and the paged kernel takes
+        its heads (the decode graphs call it directly), else why not."""
+        cfg = model.config
+        heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        if not 16 <= head_dim <= 256 or heads // kv_heads > triton_attention.BLOCK_M:
+            return f"the paged kernel takes heads of 16-256 dims, at most {triton_attention.BLOCK_M} per K/V head"
         for layer in model.model.layers:
             if (
                 getattr(layer.self_attn, "qkv_proj", None) is None

@@ -161,7 +161,7 @@ def _attend_group(
     head_dim = query.shape[-1]
     if query.device.type == "cpu" and exact_kernel.ready(head_dim):
         return exact_kernel.attend(query, k_pages, v_pages, g.tables, g.jobs, g.lengths, scaling)
-    if query.device.type == "cuda" and triton_attention.ready(head_dim):
+    if query.device.type == "cuda" and triton_attention.ready(head_dim, query.shape[1] // key.shape[1]):
         if g.kernel_meta is None:
             g.kernel_meta = triton_attention.plan(
                 g.tables, g.host_jobs, g.host_lengths, query.shape[1], key.shape[1]

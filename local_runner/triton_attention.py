@@ -48,9 +48,17 @@ def available() -> bool:
     return triton is not None
 
 
-def ready(head_dim: int) -> bool:
-    """Whether the kernel serves a model of this head size on CUDA."""
-    return triton is not None and torch.cuda.is_available() and 16 <= head_dim <= 256
+def ready(head_dim: int, group: int = 1) -> bool:
+    """Whether the kernel serves a model of this head size and these query heads per K/V head on CUDA: a
+    work item's BLOCK_M rows hold at least one token's `group` heads (past that, heads would be dropped)."""
+    return triton is not None and torch.cuda.is_available() and 16 <= head_dim <= 256 and group <= BLOCK_M
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: float32 products in IEEE float32, since Triton's default on NVIDIA
+    rounds float32 inputs to TF32 (10 bits of mantissa: what a float32 model, or a test against torch's
+    float32, does not expect); for 16-bit inputs the default, which rounds nothing."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @dataclass
@@ -73,6 +81,8 @@ def plan(tables: torch.Tensor, jobs: list[int], lengths: list[int], heads: int, 
     """Work items for a step's tokens (`jobs[t]`: token t's row of `tables`; `lengths[t]`: its keys):
     runs of consecutive tokens of one job, at most BLOCK_M // group tokens each."""
     group = heads // kv_heads
+    if group > BLOCK_M:
+        raise ValueError(f"{group} query heads per K/V head: the kernel holds at most {BLOCK_M} (ready())")
     per_item = max(1, BLOCK_M // group)
     item_job, item_row, item_count, item_length = [], [], [], []
     t = 0
@@ -165,6 +175,7 @@ def attend(
         BLOCK_N=block_keys(page_tokens),
         PAGE=page_tokens,
         PARTITION=PARTITION,
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,
     )
@@ -217,6 +228,7 @@ def _attention_kernel(
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     PARTITION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     item = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -255,7 +267,7 @@ def _attention_kernel(
                 mask=key_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
-            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             s = tl.where(offs_n[None, :] < row_length[:, None], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -267,7 +279,7 @@ def _attention_kernel(
                 mask=key_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
         has = row_ok & (row_length > key_start)
         single = row_length <= PARTITION
@@ -276,7 +288,8 @@ def _attention_kernel(
         tl.store(out_rows, done.to(Out.dtype.element_ty), mask=(has & single)[:, None] & d_ok[None, :])
         partial = has & (row_length > PARTITION)
         heads_total = tl.num_programs(1) * GROUP
-        slot = ((row0 + token) * heads_total + head) * partitions + part
+        # int64: slots x BLOCK_D pass 2**31 at long contexts times large steps (the buffers are that big)
+        slot = ((row0 + token) * heads_total + head).to(tl.int64) * partitions + part
         tl.store(
             PartAcc + slot[:, None] * BLOCK_D + offs_d[None, :], acc, mask=partial[:, None] & d_ok[None, :]
         )
@@ -302,7 +315,7 @@ def _merge_kernel(
     length = tl.load(lengths + token)
     parts = (length + PARTITION - 1) // PARTITION
     if parts > 1:
-        base = (token * heads + head) * partitions
+        base = (token * heads + head).to(tl.int64) * partitions
         top = tl.full([1], float("-inf"), tl.float32)
         for p in range(0, parts):
             top = tl.maximum(top, tl.load(PartML + (base + p) * 2 + tl.arange(0, 1)))
@@ -331,8 +344,14 @@ class _Kernels:
 
 @functools.cache
 def _kernels() -> _Kernels:
-    """The kernels, decorated at first use (so a test can ask for Triton's interpreter first)."""
-    return _Kernels(attention=triton.jit(_attention_kernel), merge=triton.jit(_merge_kernel))
+    """The kernels, decorated at first use (so a test can ask for Triton's interpreter first). The integers
+    that change from step to step (the page-table width, the partitions) are not specialized on: Triton
+    would otherwise compile another kernel, on the serving thread, the first time one is 1 or a multiple
+    of 16."""
+    return _Kernels(
+        attention=triton.jit(_attention_kernel, do_not_specialize=["stride_table", "partitions"]),
+        merge=triton.jit(_merge_kernel, do_not_specialize=["partitions"]),
+    )
 
 
 def reference(

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .triton_attention import dot_precision
+
 try:
     import triton
     import triton.language as tl
@@ -114,6 +116,7 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Out[m, n] = sum_k X[m, k] W[n, k], K in blocks of BLOCK_K from 0, accumulated in float32."""
     pid_m = tl.program_id(0)
@@ -130,7 +133,7 @@ def _linear_kernel(
         w = tl.load(
             W + rn[:, None] * stride_wn + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0
         )
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     tl.store(
         Out + rm[:, None] * stride_om + rn[None, :],
         acc.to(Out.dtype.element_ty),
@@ -152,7 +155,7 @@ def _kernels() -> _Kernels:
         rms_norm=triton.jit(_rms_norm_kernel),
         rotary=triton.jit(_rotary_kernel),
         silu_mul=triton.jit(_silu_mul_kernel),
-        linear=triton.jit(_linear_kernel),
+        linear=triton.jit(_linear_kernel, do_not_specialize=["M"]),  # the row count: no compile per M
     )
 
 
@@ -213,6 +216,9 @@ def rotary_(
         HALF=dim // 2,
         BLOCK=triton.next_power_of_2(dim // 2),
         num_warps=1,
+        # each product rounded, then the sum, as torch does; fused into one FMA (Triton's default) a
+        # float32 sum skips the products' rounding (16-bit ones are rounded between, so never fused)
+        enable_fp_fusion=False,
     )
 
 
@@ -248,6 +254,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         BLOCK_M=GEMM_BLOCK_M,
         BLOCK_N=GEMM_BLOCK_N,
         BLOCK_K=GEMM_BLOCK_K,
+        DOT_PRECISION=dot_precision(x.dtype),
         num_warps=4,
         num_stages=4,
     )

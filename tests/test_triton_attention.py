@@ -94,3 +94,31 @@ def _assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 def test_interpreter_is_used_on_the_cpu():
     if not CUDA:
         assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_more_heads_per_kv_head_than_an_item_holds_are_refused():
+    """An item's BLOCK_M rows hold a token's heads of one K/V head; past BLOCK_M heads would be dropped, so
+    the plan refuses them and the CUDA stack never takes such a model (the decode graphs plan directly)."""
+    from types import SimpleNamespace
+
+    from local_runner.cuda_stack import CudaStack
+
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    group = ta.BLOCK_M + 1
+    with pytest.raises(ValueError, match="query heads per K/V head"):
+        ta.plan(table, [0], [1], heads=2 * group, kv_heads=2)
+    assert ta.plan(table, [0], [1], heads=2 * ta.BLOCK_M, kv_heads=2).group == ta.BLOCK_M
+
+    def model(heads: int, kv_heads: int) -> SimpleNamespace:
+        config = SimpleNamespace(
+            num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=64 * heads
+        )
+        return SimpleNamespace(config=config, model=SimpleNamespace(layers=[]))
+
+    assert "at most 64 per K/V head" in CudaStack.unfit(model(2 * group, 2))
+    assert CudaStack.unfit(model(32, 8)) is None
+
+
+def test_float32_products_are_ieee_and_16_bit_ones_the_default():
+    assert ta.dot_precision(torch.float32) == "ieee"  # Triton's default would round them to TF32
+    assert ta.dot_precision(torch.bfloat16) == ta.dot_precision(torch.float16) == "tf32"
