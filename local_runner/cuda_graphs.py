@@ -63,6 +63,9 @@ class DecodeGraphs:
         self._ones = torch.ones(most, dtype=torch.long, device=device)
         self._graphs: dict[int, _Graph] = {}
         self._pool_handle: object = None
+        # recorded after each copy of the host buffer: the next _fill waits for it before rewriting the
+        # buffer (a step whose rows never reach the host would otherwise let it race its own copy)
+        self._copied: torch.cuda.Event | None = None
 
     def _field(self, buf: Any, i: int) -> Any:
         """Field i of the static inputs in `buf` (the device tensor or the host buffer's numpy view)."""
@@ -109,6 +112,7 @@ class DecodeGraphs:
         """Capture every bucket's graph, the largest first (the others reuse its memory pool). Each is
         run once eagerly first: Triton compiles its kernels outside the capture."""
         self._fill([])
+        self._device.copy_(self._host)  # capture on padding rows (its page, one key), not on zeros
         self._pool_handle = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(self.pool.device)
         for bucket in reversed(self.buckets):
@@ -142,6 +146,9 @@ class DecodeGraphs:
             w.kv.ensure(w.kv.length + 1)
         self._fill(work)
         self._device.copy_(self._host, non_blocking=True)
+        if self._device.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         graph = self._graphs.get(bucket)
         if graph is not None:
             graph.graph.replay()
@@ -157,6 +164,9 @@ class DecodeGraphs:
     def _fill(self, work: list[Work]) -> None:
         """The host side of the static inputs: the jobs' rows, then padding rows (the padding page,
         position 0, one key)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy has read the buffer (at once after a sampled step)
+            self._copied = None
         most = self.buckets[-1]
         host = self._host.numpy()  # numpy's element writes: no torch call per row
         ids, positions, pages, offsets, lengths = (self._field(host, i) for i in range(5))
