@@ -73,7 +73,7 @@ class ModelStep:
             batch_invariant = invariant_by_default(lm.device)
         packed = batch and _takes_packed_step(lm)
         pool = _make_pool(
-            lm, slots, context, page_tokens, device_reserve_bytes + _activation_bytes(lm, max_rows)
+            lm, slots, context, page_tokens, device_reserve_bytes + _activation_bytes(lm, max_rows, context)
         )
         if lm.device.type == "cuda" and packed:
             cuda, why_not_cuda = _cuda_stack(lm, batch_invariant, context)
@@ -181,7 +181,9 @@ class ModelStep:
         started = time.perf_counter()
         result = self._forward(work)
         if self.lm.device.type == "cuda":
-            torch.cuda.synchronize(self.lm.device)  # a long prompt step: its time is the device's
+            # a long prompt step: its time is the device's, this stream's only (a device-wide
+            # synchronize would also wait for the store's restores and saves on their own streams)
+            torch.cuda.current_stream(self.lm.device).synchronize()
         self.prefill_rate.observe(prompt, time.perf_counter() - started)
         return result
 
@@ -229,7 +231,8 @@ def _attention_kind(step: ModelStep) -> str:
         if exact_kernel.ready(head_dim) or step.batch_invariant:
             return exact_kernel.describe(head_dim)
         return "sdpa per job (no kernel: rounding depends on the batch)"
-    if triton_attention.ready(head_dim):
+    group = step.lm.model.config.num_attention_heads // step.lm.layout.num_kv_heads
+    if triton_attention.ready(head_dim, group):
         return "paged (triton: a row's bits never depend on the batch)"
     return "sdpa per job (no Triton)" if not step.batch_invariant else "exact (padded calls)"
 
@@ -400,12 +403,19 @@ def _make_pool(lm: LoadedModel, jobs: int, context: int, page_tokens: int, reser
     return PagePool(lm.layout, lm.device, pages, page_tokens)
 
 
-def _activation_bytes(lm: LoadedModel, max_rows: int) -> int:
+def _activation_bytes(lm: LoadedModel, max_rows: int, context: int) -> int:
     """A bound on what one step's activations take on the device beyond the weights and the KV: the
-    widest intermediate (the fused gate/up product) and the logits of every row, in float32, twice."""
+    widest intermediate (the fused gate/up product) and the logits of every row, in float32, twice; and
+    the paged attention's float32 partials of rows longer than a partition (triton_attention.attend:
+    every row, head and partition of a layer, at the longest context)."""
     config = lm.model.config
     widest = 2 * int(getattr(config, "intermediate_size", 0) or 0) + int(
         getattr(config, "hidden_size", 0) or 0
     )
     vocab = int(getattr(config, "vocab_size", 0) or 0)
-    return 2 * 4 * max_rows * (widest + vocab)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    partials = 0
+    if lm.device.type == "cuda" and heads:
+        block_d = 1 << max(lm.layout.head_dim - 1, 0).bit_length()
+        partials = 4 * max_rows * heads * triton_attention.partitions_of(context) * (block_d + 2)
+    return 2 * 4 * max_rows * (widest + vocab) + partials
