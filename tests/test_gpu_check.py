@@ -107,7 +107,7 @@ def test_the_budget_cuts_and_skips_phases(tmp_path: Path) -> None:
         CONVS="6",
         WORDS="3000",
     )
-    assert time.monotonic() - started < 40 + 15, log
+    assert time.monotonic() - started < 40 + 20, log  # + stopping a server; uncut: 80 s and more
     assert "skip tiers: under 30 s of BUDGET_S=40 left" in log
     assert "l1 -> pages GB/s" not in log
     assert "s: done" in log
