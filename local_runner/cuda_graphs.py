@@ -65,7 +65,7 @@ class DecodeGraphs:
         self._pool_handle: object = None
         # recorded after each copy of the host buffer: the next _fill waits for it before rewriting the
         # buffer (a step whose rows never reach the host would otherwise let it race its own copy)
-        self._copied: torch.cuda.Event | None = None
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def _field(self, buf: Any, i: int) -> Any:
         """Field i of the static inputs in `buf` (the device tensor or the host buffer's numpy view)."""
@@ -146,8 +146,7 @@ class DecodeGraphs:
             w.kv.ensure(w.kv.length + 1)
         self._fill(work)
         self._device.copy_(self._host, non_blocking=True)
-        if self._device.is_cuda:
-            self._copied = torch.cuda.Event()
+        if self._copied is not None:
             self._copied.record()
         graph = self._graphs.get(bucket)
         if graph is not None:
@@ -164,9 +163,8 @@ class DecodeGraphs:
     def _fill(self, work: list[Work]) -> None:
         """The host side of the static inputs: the jobs' rows, then padding rows (the padding page,
         position 0, one key)."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the last copy has read the buffer (at once after a sampled step)
-            self._copied = None
+        if self._copied is not None:  # the last copy has read the buffer (at once after a sampled step;
+            self._copied.synchronize()  # an event never recorded returns at once too)
         most = self.buckets[-1]
         host = self._host.numpy()  # numpy's element writes: no torch call per row
         ids, positions, pages, offsets, lengths = (self._field(host, i) for i in range(5))

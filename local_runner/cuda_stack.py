@@ -36,15 +36,22 @@ class _Layer:
     down: torch.Tensor
 
 
+def _heads(cfg: Any) -> tuple[int, int, int]:
+    """The model's query heads, K/V heads and head size."""
+    heads = int(cfg.num_attention_heads)
+    return (
+        heads,
+        int(cfg.num_key_value_heads),
+        int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
+    )
+
+
 class CudaStack:
     """The whole forward of a packed step on CUDA (the weights are the model's own tensors: no copy)."""
 
     def __init__(self, model: Any, *, invariant: bool, max_positions: int) -> None:
         inner = model.model
-        cfg = model.config
-        self.heads = int(cfg.num_attention_heads)
-        self.kv_heads = int(cfg.num_key_value_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.heads, self.kv_heads, self.head_dim = _heads(model.config)
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.norm_eps = float(inner.norm.variance_epsilon)
@@ -64,10 +71,8 @@ class CudaStack:
     def unfit(model: Any) -> str | None:
         """None when every layer has the fused projections this forward reads and the paged kernel takes
         its heads (the decode graphs call it directly), else why not."""
-        cfg = model.config
-        heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        if not 16 <= head_dim <= 256 or heads // kv_heads > triton_attention.BLOCK_M:
+        heads, kv_heads, head_dim = _heads(model.config)
+        if not triton_attention.takes(head_dim, heads // kv_heads):
             return f"the paged kernel takes heads of 16-256 dims, at most {triton_attention.BLOCK_M} per K/V head"
         for layer in model.model.layers:
             if (

@@ -406,8 +406,7 @@ def _make_pool(lm: LoadedModel, jobs: int, context: int, page_tokens: int, reser
 def _activation_bytes(lm: LoadedModel, max_rows: int, context: int) -> int:
     """A bound on what one step's activations take on the device beyond the weights and the KV: the
     widest intermediate (the fused gate/up product) and the logits of every row, in float32, twice; and
-    the paged attention's float32 partials of rows longer than a partition (triton_attention.attend:
-    every row, head and partition of a layer, at the longest context)."""
+    on CUDA the paged attention's partials of a layer at the longest context."""
     config = lm.model.config
     widest = 2 * int(getattr(config, "intermediate_size", 0) or 0) + int(
         getattr(config, "hidden_size", 0) or 0
@@ -416,6 +415,5 @@ def _activation_bytes(lm: LoadedModel, max_rows: int, context: int) -> int:
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     partials = 0
     if lm.device.type == "cuda" and heads:
-        block_d = 1 << max(lm.layout.head_dim - 1, 0).bit_length()
-        partials = 4 * max_rows * heads * triton_attention.partitions_of(context) * (block_d + 2)
+        partials = triton_attention.partial_bytes(max_rows, heads, lm.layout.head_dim, context)
     return 2 * 4 * max_rows * (widest + vocab) + partials

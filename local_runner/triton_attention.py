@@ -48,10 +48,15 @@ def available() -> bool:
     return triton is not None
 
 
+def takes(head_dim: int, group: int) -> bool:
+    """Whether the kernel computes heads of this size, `group` query heads per K/V head: a work item's
+    BLOCK_M rows hold at least one token's heads of its K/V head (past that, heads would be dropped)."""
+    return 16 <= head_dim <= 256 and group <= BLOCK_M
+
+
 def ready(head_dim: int, group: int = 1) -> bool:
-    """Whether the kernel serves a model of this head size and these query heads per K/V head on CUDA: a
-    work item's BLOCK_M rows hold at least one token's `group` heads (past that, heads would be dropped)."""
-    return triton is not None and torch.cuda.is_available() and 16 <= head_dim <= 256 and group <= BLOCK_M
+    """Whether the kernel serves such a model here (CUDA and Triton present)."""
+    return triton is not None and torch.cuda.is_available() and takes(head_dim, group)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -126,6 +131,16 @@ def block_keys(page_tokens: int) -> int:
 def partitions_of(length: int) -> int:
     """How many partitions a row of `length` keys spans."""
     return max(1, -(-length // PARTITION))
+
+
+def partial_bytes(tokens: int, heads: int, head_dim: int, keys: int) -> int:
+    """What `attend` allocates for the partials of a step of `tokens` rows up to `keys` keys (float32 acc
+    over BLOCK_D, then m and l, per row, head and partition; nothing where no row passes a partition)."""
+    partitions = partitions_of(keys)
+    if partitions == 1:
+        return 0
+    block_d = 1 << (head_dim - 1).bit_length()  # triton.next_power_of_2, without Triton
+    return 4 * tokens * heads * partitions * (block_d + 2)
 
 
 def attend(

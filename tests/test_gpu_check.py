@@ -94,8 +94,8 @@ def test_every_phase_runs_and_reports(tmp_path: Path) -> None:
 
 
 def test_the_budget_cuts_and_skips_phases(tmp_path: Path) -> None:
-    """Uncut, this correctness phase alone takes well over a minute here; within BUDGET_S=40 it is cut short (or
-    skipped) and the tiers' phase, with under 30 s left, is skipped: the whole run ends near 40 s."""
+    """Uncut, this correctness phase alone takes well over a minute here; within BUDGET_S=40 it is cut
+    short (or skipped) and the tiers' phase, with under 30 s left, is skipped: the run ends near 40 s."""
     port = free_port()
     started = time.monotonic()
     log = run_check(
