@@ -117,6 +117,8 @@ class ModelStep:
         _each_step_kind(self.lm, run)
         if self.cuda is not None:
             self._capture_graphs()
+            if self.context > triton_attention.PARTITION:  # a row may pass a partition: its merge too
+                triton_attention.warm_long_rows(*self.pool.layer(0), self.cuda.heads)
         if self.compile_wanted and self.stack is not None:
             self.compile_wanted = False
             threading.Thread(

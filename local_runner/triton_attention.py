@@ -211,6 +211,17 @@ def attend(
     return out
 
 
+def warm_long_rows(k_pages: torch.Tensor, v_pages: torch.Tensor, heads: int) -> None:
+    """Run `attend` once on one row of PARTITION + 1 keys whose every page is page 0 of this layer (only
+    read), so that the merge kernel is compiled at start. The warm-up's steps are short; without this the
+    first row past a partition would wait for the merge's compile on the serving thread."""
+    kv_heads, page_tokens, dim = k_pages.shape[1], k_pages.shape[2], k_pages.shape[3]
+    length = PARTITION + 1
+    tables = torch.zeros(1, -(-length // page_tokens), dtype=torch.int32, device=k_pages.device)
+    q = torch.zeros(1, heads, dim, dtype=k_pages.dtype, device=k_pages.device)
+    attend(q, k_pages, v_pages, plan(tables, [0], [length], heads, kv_heads), 1.0)
+
+
 def _attention_kernel(
     Q,
     K,

@@ -122,3 +122,27 @@ def test_more_heads_per_kv_head_than_an_item_holds_are_refused():
 def test_float32_products_are_ieee_and_16_bit_ones_the_default():
     assert ta.dot_precision(torch.float32) == "ieee"  # Triton's default would round them to TF32
     assert ta.dot_precision(torch.bfloat16) == ta.dot_precision(torch.float16) == "tf32"
+
+
+def test_the_warm_up_launches_the_merge_of_a_row_past_a_partition(monkeypatch):
+    """warm_long_rows runs a row longer than a partition, so both kernels (the merge too) are compiled
+    before the first job."""
+    monkeypatch.setattr(ta, "PARTITION", 128)
+    kernels = ta._kernels()
+    launched: list[tuple[str, tuple]] = []
+
+    class Spy:
+        def __init__(self, name: str, kernel) -> None:
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append((self.name, grid))
+            return self.kernel[grid]
+
+    spies = ta._Kernels(attention=Spy("attention", kernels.attention), merge=Spy("merge", kernels.merge))
+    monkeypatch.setattr(ta, "_kernels", lambda: spies)
+    device = "cuda" if CUDA else "cpu"
+    k, v = _pool(2, 2, 64, 32, torch.float16, device)
+    ta.warm_long_rows(k, v, heads=4)
+    assert [name for name, _ in launched] == ["attention", "merge"]
+    assert launched[0][1][2] == 2  # one item of one K/V head per program, over 2 partitions
