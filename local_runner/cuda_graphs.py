@@ -147,7 +147,7 @@ class DecodeGraphs:
         self._fill(work)
         self._device.copy_(self._host, non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.pool.device))  # where the copy runs
         graph = self._graphs.get(bucket)
         if graph is not None:
             graph.graph.replay()
