@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -10,6 +11,35 @@ import numpy as np
 import torch
 
 from .layout import KVLayout
+
+
+class SideStreams:
+    """The CUDA side streams of one owner (a tier's moves, a load thread's restores, the saves' staging):
+    taken once per device (and per thread with `per_thread`) and kept.
+
+    Why kept: `torch.cuda.Stream()` creates nothing, it hands out torch's pooled streams in turn (32 per
+    priority), so a stream taken per copy is whatever stream another copy took 32 takes ago, and a
+    restore would queue behind an unrelated copy that waits for the compute. `priority` -1: the high
+    priority pool, for copies a step waits for (restores); such streams never meet the others."""
+
+    def __init__(self, *, priority: int = 0, per_thread: bool = False) -> None:
+        self._priority = priority
+        self._lock = threading.Lock()
+        self._shared: dict[torch.device, torch.cuda.Stream] = {}
+        self._local = threading.local() if per_thread else None
+
+    def get(self, device: torch.device) -> torch.cuda.Stream:
+        """This owner's stream on a CUDA device (this thread's with `per_thread`)."""
+        if device.index is None:  # "cuda" and "cuda:0" are one device, one stream
+            device = torch.device("cuda", torch.cuda.current_device())
+        streams = self._shared
+        if self._local is not None:
+            streams = self._local.__dict__.setdefault("streams", {})
+        stream = streams.get(device)
+        if stream is None:
+            with self._lock:
+                stream = streams.setdefault(device, torch.cuda.Stream(device, priority=self._priority))
+        return stream
 
 
 @dataclass(frozen=True)
@@ -83,15 +113,15 @@ class ChunkKV:
     def nbytes(self) -> int:
         return self.buf.numel() * self.buf.element_size()
 
-    def to(self, device: torch.device, *, pin: bool = False) -> ChunkKV:
-        """Copy to `device` (no copy if already there); pinned host memory when asked and possible.
+    def to(self, device: torch.device, *, pin: bool = False, streams: SideStreams | None = None) -> ChunkKV:
+        """Copy to `device` (no copy if already there, and pinned as asked); pinned host memory when asked.
 
-        A copy to or from CUDA never waits: it runs on a side stream of its own, after the copies that
-        wrote this buffer (`written`) and nothing else, and the result carries the event after it (a
-        device result is read on other streams after that event, a host result once it has completed:
-        `host_bytes`). The source stays allocated to that stream until the copy is done, even if its
+        A copy to or from CUDA never waits: it runs on a side stream (the caller's `streams`, else one of
+        torch's pooled ones), after the copies that wrote this buffer (`written`), and the result
+        carries the event after it (a device result is read on other streams after that event, a host
+        result once it has completed: `host_bytes`). The source stays allocated to that stream until the copy is done, even if its
         owner drops it meanwhile. Host to host copies are plain copies."""
-        if self.buf.device == device:
+        if self.buf.device == device and not (pin and device.type == "cpu" and not self.buf.is_pinned()):
             return self
         on = self.buf.device if self.buf.is_cuda else device
         if on.type != "cuda":
@@ -102,7 +132,7 @@ class ChunkKV:
             else:
                 out.copy_(self.buf)
             return ChunkKV(out)
-        stream = torch.cuda.Stream(on)  # one of torch's pooled side streams: nothing is created
+        stream = streams.get(on) if streams is not None else torch.cuda.Stream(on)
         with torch.cuda.stream(stream):
             if self.written is not None:
                 stream.wait_event(self.written)

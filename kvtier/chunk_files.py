@@ -23,7 +23,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from .chunk import ChunkId, ChunkKV
+from .chunk import ChunkId, ChunkKV, SideStreams
 from .chunk_folder import FILE_MODE, chunk_path, make_dirs, tmp_name
 from .chunk_format import (
     MAX_HEADER_BYTES,
@@ -97,10 +97,16 @@ def _abort(fd: int, tmp: Path) -> None:
 
 
 def _start_write(
-    root: Path, chunk: ChunkId, data: ChunkKV, model_fingerprint: str, layout: KVLayout
+    root: Path,
+    chunk: ChunkId,
+    data: ChunkKV,
+    model_fingerprint: str,
+    layout: KVLayout,
+    staging: SideStreams | None = None,
 ) -> PendingWrite:
-    """Checksum the chunk's layers and write header + buffer to a fresh temp file (not fsynced yet)."""
-    host = data.to(torch.device("cpu"), pin=data.buf.is_cuda)  # a device chunk: staged, its copy alone waited
+    """Checksum the chunk's layers and write header + buffer to a fresh temp file (not fsynced yet).
+    A device chunk is staged in pinned memory first (on `staging`'s stream), its copy alone waited for."""
+    host = data.to(torch.device("cpu"), pin=data.buf.is_cuda, streams=staging)
     data_bytes = host.host_bytes()
     assert data_bytes is not None  # a host buffer
     rows = data_bytes.reshape(host.buf.shape[0], -1)  # layer i's K then V bytes are row i
@@ -153,6 +159,7 @@ def write_chunks(
     model_fingerprint: str,
     layout: KVLayout,
     drop_cache: bool = False,
+    staging: SideStreams | None = None,
 ) -> list[ChunkMeta | OSError]:
     """Write several chunks atomically: each to a temp file in its folder, then fsync each, rename each,
     and fsync each folder touched once. Every file is durable under its final name before this returns.
@@ -166,7 +173,7 @@ def write_chunks(
     try:
         for j, (chunk, data) in enumerate(items):
             try:
-                started.append((j, _start_write(root, chunk, data, model_fingerprint, layout)))
+                started.append((j, _start_write(root, chunk, data, model_fingerprint, layout, staging)))
             except OSError as e:
                 results[j] = e
         folders = _finish_writes(started, results, drop_cache)
@@ -271,9 +278,9 @@ class ChunkReader:
         os.close(self._fd)
 
 
-def read_chunk(path: Path, meta: ChunkMeta, layout: KVLayout) -> ChunkKV:
-    """All layers of a chunk, verified, in a new host ChunkKV."""
-    chunk = ChunkKV.empty(layout, meta.n_tokens, torch.device("cpu"))
+def read_chunk(path: Path, meta: ChunkMeta, layout: KVLayout, *, pin: bool = False) -> ChunkKV:
+    """All layers of a chunk, verified, in a new host ChunkKV (page-locked with `pin`)."""
+    chunk = ChunkKV.empty(layout, meta.n_tokens, torch.device("cpu"), pin=pin)
     reader = ChunkReader(path, meta, layout)
     try:
         for i in range(layout.num_layers):

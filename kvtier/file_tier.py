@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .chunk import ChunkId, ChunkKV
+from .chunk import ChunkId, ChunkKV, SideStreams
 from .chunk_files import ChunkReader, read_chunk, read_header, write_chunks
 from .chunk_folder import chunk_path, make_dirs, quarantine, scan
 from .chunk_format import ChunkMeta, CorruptChunk, ForeignChunk
@@ -37,6 +37,7 @@ class FileTier(PersistentTier):
         self.layout = layout
         self.model_fingerprint = model_fingerprint
         self.drop_page_cache = drop_page_cache
+        self._staging = SideStreams()  # device chunks copied to host before they are written
         make_dirs(self.root)
 
     @classmethod
@@ -56,13 +57,15 @@ class FileTier(PersistentTier):
         return chunk_path(self.root, key)
 
     def write(self, items: Sequence[tuple[ChunkId, ChunkKV]]) -> list[ChunkMeta | OSError]:
-        return write_chunks(self.root, list(items), self.model_fingerprint, self.layout, self.drop_page_cache)
+        return write_chunks(
+            self.root, list(items), self.model_fingerprint, self.layout, self.drop_page_cache, self._staging
+        )
 
     def reader(self, key: str, meta: ChunkMeta) -> ChunkReader:
         return ChunkReader(self.path(key), meta, self.layout)
 
-    def read_all(self, key: str, meta: ChunkMeta) -> ChunkKV:
-        return read_chunk(self.path(key), meta, self.layout)
+    def read_all(self, key: str, meta: ChunkMeta, *, pin: bool = False) -> ChunkKV:
+        return read_chunk(self.path(key), meta, self.layout, pin=pin)
 
     def find(self, key: str) -> ChunkMeta | CorruptChunk | None:
         path = self.path(key)

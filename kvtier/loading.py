@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .chunk import ChunkKV, host_bytes
+from .chunk import ChunkKV, SideStreams, host_bytes
 from .chunk_format import ChunkMeta, CorruptChunk
 from .config import ChunkRef, PrefixMatch
 from .core import StoreCore
@@ -70,6 +70,8 @@ class Loading:
         # Disk reads of a load, several chunks at once (the page cache and NVMe both serve parallel
         # reads faster than one stream of them).
         self._reads = ThreadPoolExecutor(core.config.read_workers, thread_name_prefix="kvtier-read")
+        # Each load thread's restores on a stream of its own, high priority (a step waits for them).
+        self._streams = SideStreams(priority=-1, per_thread=True)
 
     def close(self) -> None:
         """Wait for loads in flight; later ones fail."""
@@ -130,7 +132,7 @@ class Loading:
         core = self._core
         started = time.perf_counter()
         try:
-            from_disk = run_load(plan, restored, core.layout, core.backing.reader, self._reads)
+            from_disk = run_load(plan, restored, core.layout, core.backing.reader, self._reads, self._streams)
             slowest = max((item.tier for item in plan), key=tier_rank)
             nbytes = core.nbytes(sum(item.n_tokens for item in plan))
             core.load_rates.observe(slowest, nbytes, time.perf_counter() - started)
@@ -192,11 +194,13 @@ def run_load(
     layout: KVLayout,
     open_reader: OpenReader,
     reads: Executor | None = None,
+    streams: SideStreams | None = None,
 ) -> dict[str, ChunkKV]:
     """Fill `restored` layer by layer. Returns {key: ChunkKV} of the chunks read from disk into host
     buffers (to promote). A disk chunk without a buffer (`buf`) is read straight into the output and
     checksummed there, before that layer is handed out. `reads`: threads that read the disk chunks'
     layers in parallel (READ_AHEAD layers ahead of the copies); without it, one read after another.
+    `streams`: where the copies to CUDA run (else a pooled stream: a test's).
 
     Raises LoadFailure naming the first chunk that could not be read.
     """
@@ -217,7 +221,9 @@ def run_load(
         device = restored.target_tensors[0].device
         # On CUDA the host-to-device copies run on a stream of their own, one event per layer, so layer
         # i+1 copies while the model computes layer i on its stream (the paper's layer-wise pre-loading).
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        stream = None
+        if device.type == "cuda":
+            stream = streams.get(device) if streams is not None else torch.cuda.Stream(device)
         try:
             if stream is not None:
                 _order_copy_stream(stream, restored, layout, srcs)

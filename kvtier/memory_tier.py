@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .chunk import ChunkKV
+from .chunk import ChunkKV, SideStreams
 from .config import StoreConfig, resolve_device
 from .eviction import EvictionPolicy, make_policy
 from .layout import KVLayout
@@ -51,6 +51,7 @@ class MemoryTier(TierBackend[ChunkKV]):
         super().__init__(name, capacity_bytes, policy)
         self.device = device
         self.pin = pin and device.type == "cpu"
+        self._streams = SideStreams()  # the moves into this tier, one stream per CUDA device
 
     def place(self, key: str, nbytes: int, data: ChunkKV) -> Copy:
         """Admit `data` as it is and return the Copy that brings it onto this tier's device."""
@@ -59,7 +60,7 @@ class MemoryTier(TierBackend[ChunkKV]):
 
     def copy_in(self, data: ChunkKV) -> ChunkKV:
         """Without the store lock: `data` on this tier's device (itself when it is there already)."""
-        return data.to(self.device, pin=self.pin)
+        return data.to(self.device, pin=self.pin, streams=self._streams)
 
     def commit(self, copy: Copy) -> None:
         """Swap in a finished copy, if this tier still holds the buffer it was made from."""

@@ -81,8 +81,9 @@ class PersistentTier(TierBackend[ChunkMeta]):
         """Open a stored chunk to read it layer by layer; raises CorruptChunk or FileNotFoundError."""
 
     @abstractmethod
-    def read_all(self, key: str, meta: ChunkMeta) -> ChunkKV:
-        """Every layer of a stored chunk, verified, in a new host buffer; raises as `reader` does."""
+    def read_all(self, key: str, meta: ChunkMeta, *, pin: bool = False) -> ChunkKV:
+        """Every layer of a stored chunk, verified, in a new host buffer (page-locked with `pin`: it is
+        going to a pinned tier); raises as `reader` does."""
 
     @abstractmethod
     def find(self, key: str) -> ChunkMeta | CorruptChunk | None:

@@ -93,7 +93,7 @@ class Prefetching:
             if data is None:
                 assert meta is not None
                 try:
-                    data = core.backing.read_all(key, meta)
+                    data = core.backing.read_all(key, meta, pin=core.pin_host)  # L1 keeps it as read
                 except (CorruptChunk, OSError) as err:
                     self._loading.on_bad_chunk(key, err)
                     return

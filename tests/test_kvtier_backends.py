@@ -67,8 +67,8 @@ class ShelfTier(PersistentTier):
             raise FileNotFoundError(key)
         return ShelfReader(self.shelf[key][1])
 
-    def read_all(self, key: str, meta: ChunkMeta) -> ChunkKV:
-        return ChunkKV(self.shelf[key][1].buf.clone())
+    def read_all(self, key: str, meta: ChunkMeta, *, pin: bool = False) -> ChunkKV:
+        return ChunkKV(self.shelf[key][1].buf.clone().pin_memory() if pin else self.shelf[key][1].buf.clone())
 
     def find(self, key: str) -> ChunkMeta | CorruptChunk | None:
         found = self.shelf.get(key)

@@ -142,3 +142,45 @@ def test_a_put_of_pages_never_waits_for_the_compute_and_restores_into_pages(tmp_
     n = match.tokens - CHUNK
     assert torch.equal(dst[:, 1], src[:, 0]) and torch.equal(dst[:, 0, :, :, :n], src[:, 1, :, :, :n])
     store.close()
+
+
+@cuda
+def test_side_streams_are_kept_and_restores_have_a_high_priority_one_per_thread():
+    """torch.cuda.Stream() hands out pooled streams in turn: an owner's stream must stay its own however
+    many streams are taken since, and a load thread's restores must not share another's."""
+    import threading
+
+    from kvtier.chunk import SideStreams
+
+    moves = SideStreams()
+    first = moves.get(torch.device("cuda"))
+    for _ in range(40):  # the pool (32 a priority) turns round
+        torch.cuda.Stream()
+    assert moves.get(torch.device("cuda", torch.cuda.current_device())) == first
+    restores = SideStreams(priority=-1, per_thread=True)
+    mine = restores.get(torch.device("cuda"))
+    theirs: list[torch.cuda.Stream] = []
+    thread = threading.Thread(target=lambda: theirs.append(restores.get(torch.device("cuda"))))
+    thread.start()
+    thread.join()
+    assert restores.get(torch.device("cuda")) == mine and theirs[0] != mine
+    assert mine.priority < first.priority
+
+
+@cuda
+def test_a_chunk_prefetched_from_disk_is_pinned_in_l1(tmp_path):
+    """L1 is page-locked memory on CUDA (copies to the device at full speed, never staged by the
+    driver): a chunk the prefetch reads from L2 lands there pinned, not in pageable memory."""
+    layers = [(k.cuda(), v.cuda()) for k, v in kv(2 * CHUNK, seed=31)]
+    store = make(tmp_path, l0=0, l1=4 * CB, l2=8 * CB, device="cuda")
+    store.put("t", toks(2 * CHUNK), layers)
+    store.close()
+    store = make(tmp_path, l0=0, l1=4 * CB, l2=8 * CB, device="cuda")  # a restart: only L2 holds it
+    match = store.lookup("t", toks(2 * CHUNK), count=False)
+    assert match.tier == "l2"
+    store.prefetch(match)
+    assert store.wait_prefetched(10)
+    l1 = store._core.memory[-1]
+    held = [l1.read(c.key) for c in match.chunks]
+    assert all(h is not None and h.buf.is_pinned() for h in held)
+    store.close()
