@@ -144,6 +144,23 @@ def run(tokens: int, reps: int, layout: KVLayout, device: torch.device) -> None:
     print(f"{tokens} tokens ({nbytes / 1e9:.2f} GB of KV), {layout.describe()}, {device}, medians of {reps}:")
     for name, values in out.items():
         print(f"  {name:44s} {statistics.median(values):10.2f}")
+    if device.type == "cuda":
+        print_pinned_allocations()
+
+
+def print_pinned_allocations() -> None:
+    """What growing torch's pinned host pool cost over the run (every L1 buffer and staging buffer comes
+    from it: a cold allocation is a cudaHostAlloc, seen by whoever asked, a put or a load)."""
+    stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
+    if "num_host_alloc" not in stats:
+        print("pinned allocations: torch does not report them (torch.cuda.host_memory_stats)")
+        return
+    print(
+        f"pinned allocations: {stats['num_host_alloc']} blocks grown, "
+        f"{stats.get('allocated_bytes.peak', 0) / 1e9:.2f} GB at the peak, "
+        f"{stats.get('host_alloc_time.total', 0) / 1000:.1f} ms in cudaHostAlloc in all "
+        f"(longest {stats.get('host_alloc_time.max', 0) / 1000:.2f} ms)"
+    )
 
 
 def overlap(
