@@ -54,6 +54,13 @@ class PersistentTier(TierBackend[ChunkMeta]):
         """The buffer a save of this chunk is writing, if one is."""
         return self._in_flight.get(key)
 
+    def hand_over(self, key: str, data: ChunkKV, copy: ChunkKV) -> bool:
+        """The save of `data` writes `copy` (the same bytes) instead; False if `data` is not it."""
+        if self._in_flight.get(key) is not data:
+            return False
+        self._in_flight[key] = copy
+        return True
+
     def finish(self, key: str, data: ChunkKV, written: ChunkMeta | None) -> None:
         """The save of `data` is over: keep the written header, or (None) give the place back."""
         self.end_save(key, data)

@@ -66,6 +66,27 @@ class Saving:
         self.pending += 1
         return Save(entry, data)
 
+    def from_host_copies(self, saves: list[Save]) -> list[Save]:
+        """With the lock held, once put's copies are queued: a save of a device buffer whose chunk a host
+        tier holds now (L0 did not keep it) writes the host copy instead. The device buffer is then not
+        held by a save waiting in the queue (device memory no budget counts) and its bytes do not cross
+        to the host a second time to be staged."""
+        core = self._core
+        out: list[Save] = []
+        for save in saves:
+            key = save.entry.key
+            tier = core.memory_tier_of(key)
+            host = tier.read(key) if tier is not None else None
+            if (
+                save.data.buf.is_cuda
+                and host is not None
+                and not host.buf.is_cuda
+                and core.backing.hand_over(key, save.data, host)
+            ):
+                save = Save(save.entry, host)
+            out.append(save)
+        return out
+
     def submit(self, saves: list[Save]) -> None:
         """Without the lock: write reserved chunks (queued; a chunk the full queue cannot take is skipped,
         its reservation undone)."""

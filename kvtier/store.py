@@ -256,6 +256,9 @@ class KVStore:
             chain = [e for e in map(core.index.get, result) if e is not None]
             self._placement.touch_chain(chain, counted=False)  # the prefix above the new chunks, later
         core.run_copies(copies)
+        if saves and self.device.type == "cuda":
+            with core.lock:
+                saves = self._saving.from_host_copies(saves)
         core.backing.delete(deletes)
         self._saving.submit(saves)  # never blocks: a save the full queue cannot take is skipped
         return result

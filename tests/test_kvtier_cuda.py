@@ -184,3 +184,35 @@ def test_a_chunk_prefetched_from_disk_is_pinned_in_l1(tmp_path):
     held = [l1.read(c.key) for c in match.chunks]
     assert all(h is not None and h.buf.is_pinned() for h in held)
     store.close()
+
+
+@cuda
+def test_a_save_queued_behind_the_disk_holds_the_host_copy_not_the_device_chunk(tmp_path):
+    """With L0 of 0 a put's chunks go to L1; a save waiting in the queue writes L1's pinned copy, so no
+    device memory outside every budget is held meanwhile, and the file holds the KV bit for bit."""
+    import threading
+
+    from tests.test_kvtier import GatedFileTier, own
+
+    gate, writing = threading.Event(), threading.Event()
+    gated = own(GatedFileTier, gate=gate, writing=writing)
+    store = make(
+        tmp_path, l0=0, l1=8 * CB, l2=8 * CB, device="cuda", async_save=True, save_workers=1,
+        tiers={"l2": gated},
+    )  # fmt: skip
+    layers = kv(2 * CHUNK, seed=41)
+    store.put("t", toks(2 * CHUNK), [(k.cuda(), v.cuda()) for k, v in layers])
+    assert writing.wait(10)  # the only save worker holds the first chunk at the gate
+    backing = store._core.backing
+    keys = [c.key for c in store.lookup("t", toks(2 * CHUNK), count=False).chunks]
+    assert not backing.in_flight(keys[1]).buf.is_cuda  # the queued save: the host copy
+    gate.set()
+    store.flush()
+    store.close()
+    store = make(tmp_path, l0=0, l1=0, l2=8 * CB, device="cuda")  # a restart: the files only
+    restored = store.load(store.lookup("t", toks(2 * CHUNK)))
+    for i, (k, v) in enumerate(layers):
+        rk, rv = restored.layer(i)
+        assert torch.equal(rk.cpu(), k) and torch.equal(rv.cpu(), v)
+    restored.wait()
+    store.close()
