@@ -51,6 +51,8 @@ class PlanItem:
     mem: ChunkKV | None = None
     meta: ChunkMeta | None = None
     buf: ChunkKV | None = None  # host buffer for a disk chunk (to promote, to move to a device, or partial)
+    # A disk chunk whose pinned host buffer, of this many tokens, the load thread allocates (`buf`).
+    pinned_tokens: int = 0
 
 
 class LoadFailure(Exception):
@@ -116,6 +118,8 @@ class Loading:
         if mem is not None:
             return PlanItem(c.key, c.n_tokens, self._core.tier_of(e), mem=mem)
         meta = self._core.backing.read(e.key)
+        if self._core.pin_host:  # allocated by the load thread (see _allocate_pinned)
+            return PlanItem(c.key, c.n_tokens, self._core.backing.name, meta=meta, pinned_tokens=e.n_tokens)
         return PlanItem(c.key, c.n_tokens, self._core.backing.name, meta=meta, buf=self._disk_buffer(e, c))
 
     def _disk_buffer(self, e: Entry, c: ChunkRef) -> ChunkKV | None:
@@ -125,13 +129,22 @@ class Loading:
         core = self._core
         if core.device.type == "cpu" and c.n_tokens == e.n_tokens and not core.fits_in_memory(e.nbytes):
             return None
-        return ChunkKV.empty(core.layout, e.n_tokens, torch.device("cpu"), pin=core.pin_host)
+        return ChunkKV.empty(core.layout, e.n_tokens, torch.device("cpu"))
+
+    def _allocate_pinned(self, plan: list[PlanItem]) -> None:
+        """On the load thread: the pinned host buffers of the plan's disk chunks. Not in the caller's
+        thread (the step's, under the store lock): torch's pinned pool serves every thread alike, and
+        growing it is a cudaHostAlloc per buffer (milliseconds for a chunk) that no step should wait for."""
+        for item in plan:
+            if item.pinned_tokens and item.buf is None:
+                item.buf = ChunkKV.empty(self._core.layout, item.pinned_tokens, torch.device("cpu"), pin=True)
 
     def _run(self, plan: list[PlanItem], restored: RestoredKV, pinned: list[Entry]) -> None:
         """A load thread: fill the output, then promote; the RestoredKV settles whatever happens."""
         core = self._core
         started = time.perf_counter()
         try:
+            self._allocate_pinned(plan)
             from_disk = run_load(plan, restored, core.layout, core.backing.reader, self._reads, self._streams)
             slowest = max((item.tier for item in plan), key=tier_rank)
             nbytes = core.nbytes(sum(item.n_tokens for item in plan))
