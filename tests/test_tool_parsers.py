@@ -44,6 +44,15 @@ def test_a_cut_off_or_malformed_call_is_text():
     assert calls == [] and content == '<tool_call>\n{"name": "f", "argu'
 
 
+@pytest.mark.parametrize("cut", ["", "\n", "\n</tool", "\n</tool_call"])
+def test_a_call_cut_off_after_its_json_is_a_call(cut):
+    """max_tokens may end the answer inside the closing tag: the call's JSON is whole, so it is a call
+    (vLLM's hermes parser counts an unclosed <tool_call> too), not markup shown as text."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"city": "Oslo"}}' + cut
+    content, calls = feed_all(ToolCallParser("hermes"), split(text, 5))
+    assert content == "" and calls == [("f", {"city": "Oslo"})]
+
+
 def test_llama3_json_is_a_call_when_the_whole_answer_is_one():
     content, calls = feed_all(
         ToolCallParser("llama3_json"), split('<|python_tag|>{"name": "f", "parameters": {"a": 1}}')

@@ -228,8 +228,9 @@ class ToolCallParser:
         return out
 
     def finish(self) -> Parsed:
-        """The end of the answer: a call still open is parsed (a format whose calls run to the end, or a
-        cut-off answer: then it is text); what was held back goes out."""
+        """The end of the answer: a call still open is parsed (a format whose calls run to the end, or an
+        answer cut off by max_tokens: its call counts when its JSON is whole, as vLLM's hermes parser
+        counts an unclosed `<tool_call>`, else it is text); what was held back goes out."""
         rest, self._buffer = self._buffer, ""
         out = Parsed()
         if self.format == "text":
@@ -239,8 +240,9 @@ class ToolCallParser:
             calls = self._parse(body)
             out = Parsed(calls=tuple(calls)) if calls else Parsed(rest)
         elif self._in_call:
-            calls = self._parse(rest)
-            start = self._MARKERS[self.format][0] if self.format in self._MARKERS else ""
+            start, end = self._MARKERS[self.format]
+            body = rest[: len(rest) - _partial_suffix(rest, end)] if end is not None else rest
+            calls = self._parse(body)
             out = Parsed(calls=tuple(calls)) if calls else Parsed(start + rest)
         else:
             out = Parsed(rest)
