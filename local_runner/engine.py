@@ -45,6 +45,7 @@ from engine_api.stats import EngineStats
 from engine_api.turn import Event, Failed, Finished, GenerationRequest
 from kvtier import KVStore, PrefixMatch
 
+from .compiled import first_line
 from .config import EngineConfig
 from .grammars import Grammars
 from .job_kv import JobKV
@@ -184,11 +185,12 @@ class EmbeddedEngine:
 
     def _serve(self) -> None:
         """The worker's thread: every step warmed up once, then a step while there is work."""
-        try:
-            for step in self.steps.values():
+        for step in self.steps.values():
+            try:
                 step.warm_up(step.forward)
-        except Exception:  # a slower first request is all a failed warm-up costs
-            log.warning("warm-up failed", exc_info=True)
+            except Exception as exc:  # a slower first request is all a failed warm-up costs
+                log.warning("warm-up failed", exc_info=True)
+                step.warm_up_status = f"failed: {first_line(exc)}"
         while self.scheduler.wait_for_work():
             self.step()
         self.outbox.flush()

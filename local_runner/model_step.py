@@ -48,6 +48,9 @@ class ModelStep:
     cuda: CudaStack | None = None  # the packed step's forward on CUDA (cuda_stack.py)
     graphs: DecodeGraphs | None = None  # its decode steps as CUDA graphs, once captured
     graphs_status: str = "off"
+    # "pending" until the worker has run warm_up: "done in N s", or "failed: why" (the engine says).
+    # /healthz shows it, so a client that times requests (a benchmark, a balancer) can wait for it.
+    warm_up_status: str = "pending"
     context: int = 0  # the most tokens a job holds (the graphs' page tables are this wide)
     max_running: int = 1
     prefill_rate: PrefillRate = field(default_factory=PrefillRate)  # measured on the prompt steps
@@ -114,11 +117,13 @@ class ModelStep:
         arenas: a first prefill is much slower); then, if wanted, compile the packed step on a
         thread of its own. Jobs run on the eager step meanwhile (its linear layers as loaded: slower,
         never waiting) and on the compiled one from the step after it is ready."""
+        started = time.perf_counter()
         _each_step_kind(self.lm, run)
         if self.cuda is not None:
             self._capture_graphs()
             if self.context > triton_attention.PARTITION:  # a row may pass a partition: its merge too
                 triton_attention.warm_long_rows(*self.pool.layer(0), self.cuda.heads)
+        self.warm_up_status = f"done in {time.perf_counter() - started:.1f} s"
         if self.compile_wanted and self.stack is not None:
             self.compile_wanted = False
             threading.Thread(
@@ -208,6 +213,7 @@ class ModelStep:
             "dense": _dense_kind(self),
             "compiled": self.compile_status,
             "cuda_graphs": self.graphs_status,
+            "warm_up": self.warm_up_status,
             "kv_pages": self.pool.pages,
             "page_tokens": self.pool.page_tokens,
             "kv_pool_tokens": self.pool.capacity,

@@ -167,3 +167,34 @@ async def test_jobs_are_served_eagerly_while_the_step_compiles():
         assert again.text == first.text  # float32: the compiled step answers as the eager one did
     finally:
         engine.close()
+
+
+async def test_the_warm_up_is_reported_done_or_failed_and_a_failed_one_still_serves():
+    """/healthz's `warm_up`: pending until the worker has warmed the step up, then "done in N s"; a
+    warm-up that raised says why, and the engine serves all the same (only the first job pays)."""
+    lm = tiny_loaded("tiny", model=tiny_llama(seed=3))
+    engine = EmbeddedEngine({"tiny": lm}, config=engine_config())
+    step = engine.steps["tiny"]
+    assert step.describe()["warm_up"] == "pending"
+    engine.start()
+    try:
+        wait_until(lambda: str(step.describe()["warm_up"]).startswith("done in "), "the warm-up")
+    finally:
+        engine.close()
+    engine = EmbeddedEngine({"tiny": lm}, config=engine_config())
+
+    def broken(run) -> None:
+        raise RuntimeError("no compiler for the kernels")
+
+    engine.steps["tiny"].warm_up = broken
+    engine.start()
+    try:
+        status = lambda: str(engine.steps["tiny"].describe()["warm_up"])  # noqa: E731
+        wait_until(lambda: status() != "pending", "the warm-up's end")
+        assert status() == "failed: no compiler for the kernels"
+        job = engine.submit(
+            GenerationRequest("tiny", [5, 9, 13], SamplingParams(max_tokens=4, temperature=0))
+        )
+        assert isinstance((await drain(job)).end, Finished)
+    finally:
+        engine.close()

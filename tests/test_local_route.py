@@ -11,7 +11,7 @@ import pytest
 import urllib3
 
 from tests.model_fixture import MODEL
-from tests.support.waiting import async_wait_until
+from tests.support.waiting import async_wait_until, wait_until
 
 pytestmark = pytest.mark.model
 
@@ -182,8 +182,13 @@ def test_a_prompt_longer_than_the_context_is_a_400_naming_it(local_proxy):
 
 def test_healthz_names_each_local_models_device_dtype_and_batching(local_proxy):
     server = local_proxy(local_runner={"max_batch_tokens": 64, "max_running_kv_mb": 64})
-    doc = orjson.loads(urllib3.request("GET", server.url + "/healthz").data)
-    model = doc["local"][MODEL]
+
+    def model_health() -> dict:
+        return orjson.loads(urllib3.request("GET", server.url + "/healthz").data)["local"][MODEL]
+
+    wait_until(lambda: model_health()["warm_up"] != "pending", "the warm-up")  # before any request
+    model = model_health()
+    assert model.pop("warm_up").startswith("done in "), model
     dense = model.pop("dense")  # the machine decides: oneDNN packs float32 weights where it can
     assert dense.startswith(("oneDNN packed (", "plain: ")), dense
     assert model == {
