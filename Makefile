@@ -108,11 +108,13 @@ test-vllm: install-dev vllm
 # (the machine's python3 with torch, Triton, transformers; WHEELS: a folder of wheels for what it lacks,
 # bench/gpu/wheels.txt lists them, bench/gpu/fetch_wheels.sh downloads them into .whl). Builds
 # random-weight models on the GPU, runs the CUDA tests, serves them and prints every figure; OUT keeps the
-# logs.
+# logs. BUDGET_S bounds the whole check (a device call is cut at 600 s: figures measured by then come
+# back); WHEELS is .whl where fetch_wheels.sh made it.
 OUT ?= var/gpu-check
-WHEELS ?=
+WHEELS ?= $(wildcard .whl)
+BUDGET_S ?= 540
 gpu-check:
-	bash bench/gpu/run_check.sh $(OUT) $(WHEELS)
+	BUDGET_S=$(BUDGET_S) bash bench/gpu/run_check.sh $(OUT) $(WHEELS)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache

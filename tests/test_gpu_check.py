@@ -80,6 +80,7 @@ def test_every_phase_runs_and_reports(tmp_path: Path) -> None:
         rows = [orjson.loads(line) for line in (out / name).read_text().splitlines() if line.strip()]
         streams = [r for r in rows if r.get("step") == "streams"]
         assert [r["n"] for r in streams] == [1, 2] and all(r["failed"] == 0 for r in streams), streams
+    assert log.count("warmed up after") == 4, log  # each server waited for before it was timed
     assert "ratio" in log and "equal True" in log  # the summarized TTFT table: a hit against a recompute
     assert "l1 -> pages GB/s" in log and "put returns" in log
     assert "s: done" in log
@@ -112,3 +113,15 @@ def test_the_budget_cuts_and_skips_phases(tmp_path: Path) -> None:
     assert "l1 -> pages GB/s" not in log
     assert "s: done" in log
     assert not listening(port)
+
+
+def test_a_server_that_dies_at_start_ends_its_phase_at_once(tmp_path: Path) -> None:
+    """No model where the phase's server looks (the models' phase not run): the server exits while
+    loading, the check says so with the server's log, and the phase ends in seconds, not at the drive's
+    limit (150 s here) polling a server that is gone."""
+    port = free_port()
+    started = time.monotonic()
+    log = run_check(tmp_path / "out", tmp_path / "no-models", port, PHASES="correct")
+    assert time.monotonic() - started < 60, log
+    assert "died after" in log and "warmed up" not in log, log
+    assert "s: done" in log

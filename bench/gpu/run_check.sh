@@ -71,19 +71,28 @@ serve() {  # serve PHASE MODEL TAG
   $PY -m proxy serve --settings "$OUT/settings-$3.json" --port "$PORT" >> "$OUT/serve.log" 2>&1 & SP=$!
 }
 stop() { kill $SP 2>/dev/null; for _ in 1 2 3 4 5; do kill -0 $SP 2>/dev/null || break; sleep 1; done; kill -9 $SP 2>/dev/null; sleep 1; rm -rf /tmp/attnstore-kv-"$PORT"-*; }
-health() { curl -s "http://127.0.0.1:$PORT/healthz" | head -c 1500; echo; }
+health() { $PY -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read()[:1500].decode(errors='replace'))" "http://127.0.0.1:$PORT/healthz" || echo "no /healthz"; }
+# ready SECONDS: the server warmed up (so nothing times the start), or why not: it died (its log's end
+# printed at once, not after the drive's limit) or is too slow; the phase's drive is skipped then
+ready() { timeout "$(lim "$1")" $PY -m bench.gpu.ready --url "http://127.0.0.1:$PORT" --pid "$SP" --limit "$(lim "$1")" --log "$OUT/serve.log"; }
 drive() { timeout "$(lim "$1")" $PY bench/gpu/drive.py --base "http://127.0.0.1:$PORT" "${@:2}" > /dev/null; }
 if has perf; then
   el speed-8b-shape
   serve perf ${PERF_MODEL:-m8b} perf
-  drive 240 --model ${PERF_MODEL:-m8b} --phase perf --out "$OUT/perf.jsonl" --lengths ${LENGTHS:-1000,4000,8000,16000,22000,30000} --streams ${STREAMS:-1,8,32} --decode ${DECODE:-128}
-  health; $PY bench/gpu/drive.py --summarize "$OUT/perf.jsonl"; stop
+  if ready 120; then
+    drive 240 --model ${PERF_MODEL:-m8b} --phase perf --out "$OUT/perf.jsonl" --lengths ${LENGTHS:-1000,4000,8000,16000,22000,30000} --streams ${STREAMS:-1,8,32} --decode ${DECODE:-128}
+    health; $PY bench/gpu/drive.py --summarize "$OUT/perf.jsonl"
+  fi
+  stop
 fi
 if has correct; then
   el correctness-135m-shape
   serve correct m135 correct
-  drive 150 --model m135 --phase correct --out "$OUT/correct.jsonl" --convs ${CONVS:-6} --words ${WORDS:-300}
-  health; grep -E '"summary' "$OUT/correct.jsonl" | cut -c1-400; stop
+  if ready 60; then
+    drive 150 --model m135 --phase correct --out "$OUT/correct.jsonl" --convs ${CONVS:-6} --words ${WORDS:-300}
+    health; grep -E '"summary' "$OUT/correct.jsonl" | cut -c1-400
+  fi
+  stop
 fi
 if has tiers; then
   el tiers
@@ -92,10 +101,16 @@ fi
 if has exact; then
   el exact-batch-invariant
   BI=1 serve correct m135 exact-correct
-  drive 150 --model m135 --phase correct --out "$OUT/exact-correct.jsonl" --convs ${CONVS:-6} --words ${WORDS:-300}
-  health; grep -E '"summary' "$OUT/exact-correct.jsonl" | cut -c1-400; stop
+  if ready 60; then
+    drive 150 --model m135 --phase correct --out "$OUT/exact-correct.jsonl" --convs ${CONVS:-6} --words ${WORDS:-300}
+    health; grep -E '"summary' "$OUT/exact-correct.jsonl" | cut -c1-400
+  fi
+  stop
   BI=1 serve perf ${PERF_MODEL:-m8b} exact-perf
-  drive 200 --model ${PERF_MODEL:-m8b} --phase perf --out "$OUT/exact-perf.jsonl" --lengths ${EXACT_LENGTHS:-1000,8000,16000,22000} --streams ${STREAMS:-1,8,32} --decode ${DECODE:-128}
-  health; $PY bench/gpu/drive.py --summarize "$OUT/exact-perf.jsonl"; stop
+  if ready 120; then
+    drive 200 --model ${PERF_MODEL:-m8b} --phase perf --out "$OUT/exact-perf.jsonl" --lengths ${EXACT_LENGTHS:-1000,8000,16000,22000} --streams ${STREAMS:-1,8,32} --decode ${DECODE:-128}
+    health; $PY bench/gpu/drive.py --summarize "$OUT/exact-perf.jsonl"
+  fi
+  stop
 fi
 el done
