@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import exact_kernel, triton_attention
+from . import exact_kernel, triton_attention, triton_ops
 from .compiled import CompiledStack, first_line
 from .cuda_graphs import DecodeGraphs
 from .cuda_stack import CudaStack
@@ -259,7 +259,7 @@ def _cuda_stack(lm: LoadedModel, batch_invariant: bool, context: int) -> tuple[C
         return None, "Triton is not installed"
     if DecoderStack.unfit(lm.model) is not None:
         return None, f"not a Llama-family decoder: {DecoderStack.unfit(lm.model)}"
-    why = CudaStack.unfit(lm.model)
+    why = CudaStack.unfit(lm.model) or triton_ops.launch_failure(lm.device, lm.dtype)
     if why is not None:
         return None, why
     return CudaStack(lm.model, invariant=batch_invariant, max_positions=context), ""

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .compiled import first_line
 from .triton_attention import dot_precision
 
 try:
@@ -39,6 +40,22 @@ GEMM_BLOCK_K = 64
 
 def available() -> bool:
     return triton is not None
+
+
+def launch_failure(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when a Triton kernel compiles and runs on `device`, else why not. Importing Triton proves
+    little: its first launch compiles a launcher with the machine's C compiler against Python's headers,
+    which a slim image may lack; the engine asks before it builds its CUDA step on these kernels."""
+    try:
+        x = torch.ones(1, 16, dtype=dtype, device=device)
+        out = rms_norm(x, torch.ones(16, dtype=dtype, device=device), 1e-6)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if not torch.isfinite(out.float()).all():
+            return "Triton's RMSNorm gave a non-finite result on ones"
+    except Exception as exc:  # any failure to compile or launch
+        return f"Triton cannot run a kernel here: {first_line(exc)}"
+    return None
 
 
 # ---- kernels (decorated at first use: _kernels) ----------------------------------------------------------

@@ -72,3 +72,16 @@ def test_the_invariant_product_is_a_product_whatever_the_row_count(dtype):
             assert torch.equal(part, whole[:rows]), rows
         else:
             torch.testing.assert_close(part, whole[:rows], atol=tolerance, rtol=tolerance)
+
+
+def test_a_device_where_kernels_run_says_so_and_one_where_they_cannot_says_why(monkeypatch):
+    """The engine asks before it builds its CUDA step on these kernels (else transformers' forward)."""
+    device = torch.device(DEVICE)
+    assert triton_ops.launch_failure(device, torch.float32) is None
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Failed to compile the launcher: gcc: not found\nfull log ...")
+
+    monkeypatch.setattr(triton_ops, "rms_norm", no_compiler)
+    reason = triton_ops.launch_failure(device, torch.float32)
+    assert reason == "Triton cannot run a kernel here: Failed to compile the launcher: gcc: not found"
