@@ -137,6 +137,8 @@ def _load_model(
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model {name!r} from {source!r}: {exc}") from exc
     fuse_llama_projections(model)
+    if dev.type == "cuda":  # the unfused weights' blocks, cached by torch, go back to the driver: its
+        torch.cuda.empty_cache()  # free memory sizes the KV pool (kv_pages.cuda_pages)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layout = KVLayout(
