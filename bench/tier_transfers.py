@@ -38,6 +38,8 @@ LAYOUTS = {
 }
 CHUNK = 256
 BIG = 1 << 40
+# The pinned pool, in turns of KV: a turn in L1, one load's staging and a save's (a server's is its L1).
+POOL = 3
 
 
 def sync(device: torch.device) -> None:
@@ -54,9 +56,17 @@ def pool(layout: KVLayout, device: torch.device, pages: int) -> torch.Tensor:
     )
 
 
-def make_store(root: Path, layout: KVLayout, device: torch.device, l0: int, l1: int, l2: int) -> KVStore:
-    config = StoreConfig(l0, l1, l2, root, chunk_tokens=CHUNK, device=device, async_save=True)
-    return KVStore(config, layout, "bench")
+def make_store(
+    root: Path, layout: KVLayout, device: torch.device, l0: int, l1: int, l2: int, pinned: int = 0
+) -> KVStore:
+    """A store of these capacities; on CUDA its pinned pool is `pinned` bytes (the tiers here are
+    unbounded: a server's pool follows its L1), grown before anything is timed, as a server's is."""
+    config = StoreConfig(
+        l0, l1, l2, root, chunk_tokens=CHUNK, device=device, async_save=True, pinned_pool_bytes=pinned
+    )
+    store = KVStore(config, layout, "bench")
+    store.wait_pinned_pool()
+    return store
 
 
 def blocks(src: torch.Tensor, n_pages: int) -> list[torch.Tensor]:
@@ -100,7 +110,7 @@ def run(tokens: int, reps: int, layout: KVLayout, device: torch.device) -> None:
         for rep in range(reps):
             ns = f"rep{rep}"
             for tier, caps in (("l0", (BIG, 0, 0)), ("l1", (0, BIG, 0)), ("l2", (0, 0, BIG))):
-                store = make_store(root / f"{tier}{rep}", layout, device, *caps)
+                store = make_store(root / f"{tier}{rep}", layout, device, *caps, pinned=POOL * nbytes)
                 sync(device)
                 t0 = time.perf_counter()
                 store.put(ns, ids, blocks=blocks(src, n_pages))
@@ -129,7 +139,9 @@ def run(tokens: int, reps: int, layout: KVLayout, device: torch.device) -> None:
                 ("L2 only", (0, 0, BIG)),
                 ("L0 + L1 of 0", (1 << 20, 0, BIG)),
             ):
-                store = make_store(root / f"put{rep}{name.replace(' ', '')}", layout, device, *caps)
+                store = make_store(
+                    root / f"put{rep}{name.replace(' ', '')}", layout, device, *caps, pinned=POOL * nbytes
+                )
                 busy(device)
                 t0 = time.perf_counter()
                 store.put(ns, ids, blocks=blocks(src, n_pages))
@@ -176,7 +188,7 @@ def overlap(
     """A restore from L1 beside a layer-by-layer compute: per layer, the compute stream waits for that
     layer's copy, then runs a product sized like an 8B layer's at a short prompt."""
     ids = list(range(n_pages * CHUNK))
-    store = make_store(root, layout, device, 0, BIG, 0)
+    store = make_store(root, layout, device, 0, BIG, 0, pinned=POOL * src.nbytes)
     store.put("o", ids, blocks=blocks(src, n_pages))
     store.flush()
     sync(device)

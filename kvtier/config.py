@@ -46,6 +46,9 @@ class StoreConfig:
     # The most of each tier that retention holds keep ahead of everything else (retention.py): the rest
     # stays in the tier's own order for every session, however many holds clients ask for.
     retention_max_share: float = 0.8
+    # On CUDA: the pinned host memory grown once at start for L1's buffers and the staging of disk reads
+    # and saves (pinned_pool.py); None: as much as L1 holds plus one load's staging; 0: none.
+    pinned_pool_bytes: int | None = None
 
     def __post_init__(self) -> None:
         self.l2_path = Path(self.l2_path)
@@ -55,6 +58,8 @@ class StoreConfig:
         for name in ("l0_eviction", "l1_eviction"):
             if getattr(self, name) not in EVICTION_POLICIES:
                 raise ValueError(f"{name} must be one of {', '.join(EVICTION_POLICIES)}")
+        if self.pinned_pool_bytes is not None and self.pinned_pool_bytes < 0:
+            raise ValueError("pinned_pool_bytes must be >= 0 (or None: L1's capacity and one load's)")
         if not 0 < self.retention_max_share <= 1:
             raise ValueError(f"retention_max_share must be in (0, 1], got {self.retention_max_share}")
         if self.l2_format not in L2_FORMATS:

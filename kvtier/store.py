@@ -32,6 +32,7 @@ from .layout import KVLayout, normalize_layers
 from .loading import Loading
 from .lookup import Lookups
 from .memory_tier import Copy
+from .pinned_pool import STAGING_CHUNKS, PinnedPoolWarmer, empty_host_cache
 from .placement import Placement
 from .prefetch import Prefetching
 from .restored_kv import PagedTarget, RestoredKV
@@ -73,6 +74,7 @@ class KVStore:
         self._loading = Loading(core, self._placement)
         self._prefetching = Prefetching(core, self._placement, self._loading)
         self._saving = Saving(core, self._placement)
+        self._pinned_pool = _grow_pinned_pool(core)
 
     # ---- keys -------------------------------------------------------------------------------------
 
@@ -138,9 +140,17 @@ class KVStore:
     def shed_memory(self, nbytes: int) -> int:
         """The machine runs short of memory: free up to `nbytes` of L1 then L0 by dropping the memory
         copies of chunks that are safe in L2 (pinned and schedule-protected chunks stay). Returns bytes
-        freed (their tensors go as soon as no load is reading them)."""
+        freed (their tensors go as soon as no load is reading them; on CUDA torch's pinned cache gives
+        them back to the OS, which it would otherwise keep for later chunks)."""
         with self._core.lock:
-            return self._placement.shed(nbytes)
+            freed = self._placement.shed(nbytes)
+        if freed and self._core.pin_host:
+            empty_host_cache()
+        return freed
+
+    def wait_pinned_pool(self, timeout: float | None = None) -> bool:
+        """Block until the pinned host pool has grown (benchmarks, tests); True at once off CUDA."""
+        return self._pinned_pool is None or self._pinned_pool.wait(timeout)
 
     def shed_device_memory(self) -> int:
         """The device ran out of memory: move every evictable L0 chunk to L1 (or drop its memory copy
@@ -354,6 +364,8 @@ class KVStore:
         if self._closed:
             return
         self._closed = True
+        if self._pinned_pool is not None:
+            self._pinned_pool.close()
         self._prefetching.close()
         self._loading.close()
         self._saving.close()
@@ -363,6 +375,19 @@ class KVStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _grow_pinned_pool(core: StoreCore) -> PinnedPoolWarmer | None:
+    """On CUDA, torch's pinned pool grown once for this store's L1 and staging (pinned_pool.py)."""
+    if not core.pin_host:
+        return None
+    config = core.config
+    block = core.nbytes(config.chunk_tokens)
+    if config.pinned_pool_bytes is not None:
+        blocks = config.pinned_pool_bytes // block
+    else:
+        blocks = config.l1_capacity_bytes // block + (STAGING_CHUNKS if config.l2_capacity_bytes else 0)
+    return PinnedPoolWarmer(block, blocks) if blocks > 0 else None
 
 
 def _check_blocks(blocks: Sequence[torch.Tensor], spans: list[tuple[int, int]], layout: KVLayout) -> None:

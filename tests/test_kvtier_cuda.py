@@ -216,3 +216,25 @@ def test_a_save_queued_behind_the_disk_holds_the_host_copy_not_the_device_chunk(
         assert torch.equal(rk.cpu(), k) and torch.equal(rv.cpu(), v)
     restored.wait()
     store.close()
+
+
+@cuda
+def test_the_pinned_pool_is_grown_at_start_so_a_put_into_l1_allocates_none(tmp_path):
+    """Growing torch's pinned pool is a cudaHostAlloc paid by whoever asks: a CUDA store grows it by
+    L1's chunks on a thread at start, and a put whose chunks go to L1 then takes cached blocks."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or "num_host_alloc" not in stats():
+        pytest.skip("this torch does not count its pinned allocations")
+    from kvtier.pinned_pool import empty_host_cache
+
+    empty_host_cache()  # what earlier tests left cached would hide a pool never grown
+    store = make(tmp_path, l0=0, l1=8 * CB, l2=0, device="cuda")
+    assert store.wait_pinned_pool(60)
+    assert store._pinned_pool.grown == 8  # L1's chunks, no staging without L2
+    grown = stats()["num_host_alloc"]
+    layers = [(k.cuda(), v.cuda()) for k, v in kv(2 * CHUNK, seed=51)]
+    store.put("t", toks(2 * CHUNK), layers)
+    store.wait_copies()
+    assert store.lookup("t", toks(2 * CHUNK)).tier == "l1"
+    assert stats()["num_host_alloc"] == grown
+    store.close()
