@@ -114,13 +114,14 @@ class ChunkKV:
         return self.buf.numel() * self.buf.element_size()
 
     def to(self, device: torch.device, *, pin: bool = False, streams: SideStreams | None = None) -> ChunkKV:
-        """Copy to `device` (no copy if already there, and pinned as asked); pinned host memory when asked.
+        """Copy to `device` (none if it is there already, pinned where `pin` asks it to be); pinned host
+        memory when asked.
 
         A copy to or from CUDA never waits: it runs on a side stream (the caller's `streams`, else one of
         torch's pooled ones), after the copies that wrote this buffer (`written`), and the result
         carries the event after it (a device result is read on other streams after that event, a host
-        result once it has completed: `host_bytes`). The source stays allocated to that stream until the copy is done, even if its
-        owner drops it meanwhile. Host to host copies are plain copies."""
+        result once it has completed: `host_bytes`). The source stays allocated to that stream until
+        the copy is done, even if its owner drops it meanwhile. Host to host copies are plain copies."""
         if self.buf.device == device and not (pin and device.type == "cpu" and not self.buf.is_pinned()):
             return self
         on = self.buf.device if self.buf.is_cuda else device
