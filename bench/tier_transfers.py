@@ -138,10 +138,14 @@ def run(tokens: int, reps: int, layout: KVLayout, device: torch.device) -> None:
                 ("L1 only", (0, BIG, 0)),
                 ("L2 only", (0, 0, BIG)),
                 ("L0 + L1 of 0", (1 << 20, 0, BIG)),
+                ("L2 full", (0, 0, nbytes)),
             ):
                 store = make_store(
                     root / f"put{rep}{name.replace(' ', '')}", layout, device, *caps, pinned=POOL * nbytes
                 )
+                if name == "L2 full":  # a turn already fills it: the put evicts as many files as it adds
+                    store.put(f"{ns}-before", ids, blocks=blocks(src, n_pages))
+                    store.flush()
                 busy(device)
                 t0 = time.perf_counter()
                 store.put(ns, ids, blocks=blocks(src, n_pages))

@@ -4,12 +4,14 @@ does the file I/O, chunk_folder.py the folder's layout, chunk_format.py says wha
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .chunk import ChunkId, ChunkKV, SideStreams
 from .chunk_files import ChunkReader, read_chunk, read_header, write_chunks
-from .chunk_folder import chunk_path, make_dirs, quarantine, scan
+from .chunk_folder import chunk_path, make_dirs, quarantine, scan, tmp_name
 from .chunk_format import ChunkMeta, CorruptChunk, ForeignChunk
 from .config import StoreConfig
 from .eviction import EvictionPolicy, make_policy
@@ -38,6 +40,7 @@ class FileTier(PersistentTier):
         self.model_fingerprint = model_fingerprint
         self.drop_page_cache = drop_page_cache
         self._staging = SideStreams()  # device chunks copied to host before they are written
+        self._unlinks = ThreadPoolExecutor(1, thread_name_prefix="kvtier-unlink")
         make_dirs(self.root)
 
     @classmethod
@@ -78,9 +81,27 @@ class FileTier(PersistentTier):
                 yield found
 
     def delete(self, keys: Sequence[str]) -> None:
+        """Each file is renamed to a temp name in its folder at once (its chunk is gone from then on: a
+        new save of the key writes a file of its own) and unlinked on a thread of this tier: unlinking a
+        chunk's file frees its blocks and its cached pages, milliseconds each (6 ms for 32 MiB on the
+        dev VM), which a put evicting L2 files must not wait for. A temp name left by a crash is
+        removed by a later scan (chunk_folder.is_stale_tmp)."""
+        doomed: list[Path] = []
         for key in keys:
+            path = self.path(key)
+            trash = path.parent / tmp_name(key)
             with contextlib.suppress(FileNotFoundError):
-                self.path(key).unlink()
+                os.rename(path, trash)
+                doomed.append(trash)
+        if not doomed:
+            return
+        try:
+            self._unlinks.submit(_unlink_all, doomed)
+        except RuntimeError:  # the tier is closing: here, then
+            _unlink_all(doomed)
+
+    def close(self) -> None:
+        self._unlinks.shutdown(wait=True)
 
     def quarantine(self, key: str, reason: str) -> None:
         quarantine(self.root, self.path(key), reason)
@@ -94,3 +115,9 @@ class FileTier(PersistentTier):
         except CorruptChunk as e:
             quarantine(self.root, path, str(e))
             return e
+
+
+def _unlink_all(paths: Sequence[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()

@@ -104,7 +104,11 @@ class PersistentTier(TierBackend[ChunkMeta]):
 
     @abstractmethod
     def delete(self, keys: Sequence[str]) -> None:
-        """Delete stored chunks (gone already is fine)."""
+        """Delete stored chunks (gone already is fine). Called without the store lock, by whoever evicted
+        them (a put among others): it should return in microseconds."""
+
+    def close(self) -> None:
+        """The store closes: finish what this tier still does in the background."""
 
     @abstractmethod
     def quarantine(self, key: str, reason: str) -> None:

@@ -369,6 +369,7 @@ class KVStore:
         self._prefetching.close()
         self._loading.close()
         self._saving.close()
+        self._core.backing.close()
 
     def __enter__(self) -> KVStore:
         return self

@@ -244,6 +244,35 @@ def test_l2_drops_least_recently_used_file(tmp_path):
     assert len(files(tmp_path)) == 2
 
 
+def test_an_l2_eviction_leaves_its_file_at_once_and_is_unlinked_off_the_put(tmp_path, monkeypatch):
+    """Unlinking a chunk's file takes milliseconds (its blocks and cached pages are freed): a put that
+    evicts L2 files renames them away at once, and a thread of the tier unlinks them."""
+    import kvtier.file_tier as file_tier
+
+    gate, started = threading.Event(), threading.Event()
+    real = file_tier._unlink_all
+
+    def held(paths):
+        started.set()
+        gate.wait(10)
+        real(paths)
+
+    monkeypatch.setattr(file_tier, "_unlink_all", held)
+    s = make(tmp_path, 0, 0, 2 * CB)
+    evicted = chunk_path(tmp_path / "l2", s.chain_keys("t", toks(4, 0))[0])
+    s.put("t", toks(4, 0), kv(4))
+    s.put("t", toks(4, 100), kv(4))
+    assert evicted.exists()
+    s.put("t", toks(4, 200), kv(4))  # evicts the first: it returns while that file's unlink is held
+    assert started.wait(10)
+    assert not evicted.exists() and len(files(tmp_path)) == 2
+    assert len(list((tmp_path / "l2").rglob("*.tmp"))) == 1  # renamed, not unlinked yet
+    assert s.lookup("t", toks(4, 0)).tokens == 0 and s.lookup("t", toks(4, 200)).tokens == 4
+    gate.set()
+    s.close()
+    assert not list((tmp_path / "l2").rglob("*.tmp"))
+
+
 @pytest.mark.parametrize(("tier", "policy"), [("l0", "lru"), ("l0", "lfu"), ("l2", "lru")])
 def test_pressure_gives_a_chain_up_from_its_end_so_its_prefix_still_matches(tmp_path, tier, policy):
     """A conversation of 4 chunks, stored over two turns and looked up, then another of 4: 2 chunks must
