@@ -74,7 +74,7 @@ class ModelStep:
         `max_rows`: the most tokens one step feeds (batch_invariant measures the kernels up to it)."""
         if batch_invariant is None:
             batch_invariant = invariant_by_default(lm.device)
-        packed = batch and _takes_packed_step(lm)
+        packed = batch and _triton_runs(lm) and _takes_packed_step(lm)
         pool = _make_pool(
             lm, slots, context, page_tokens, device_reserve_bytes + _activation_bytes(lm, max_rows, context)
         )
@@ -259,7 +259,7 @@ def _cuda_stack(lm: LoadedModel, batch_invariant: bool, context: int) -> tuple[C
         return None, "Triton is not installed"
     if DecoderStack.unfit(lm.model) is not None:
         return None, f"not a Llama-family decoder: {DecoderStack.unfit(lm.model)}"
-    why = CudaStack.unfit(lm.model) or triton_ops.launch_failure(lm.device, lm.dtype)
+    why = CudaStack.unfit(lm.model)
     if why is not None:
         return None, why
     return CudaStack(lm.model, invariant=batch_invariant, max_positions=context), ""
@@ -297,6 +297,19 @@ def _pack(lm: LoadedModel, exact: bool) -> None:
     (loader.on_passing_thread says why)."""
     if lm.dense is None:
         lm.dense = on_passing_thread(pack_dense, lm.model, lm.dtype, lm.device, exact)
+
+
+def _triton_runs(lm: LoadedModel) -> bool:
+    """On CUDA with Triton installed, whether a first kernel compiles and runs: the packed step's
+    attention and the CUDA step are Triton's there, and Triton compiles its launcher with the machine's C
+    compiler against Python's headers, which a slim image may lack. Where it cannot, the model runs one
+    job per forward on transformers' own attention (no Triton), said once."""
+    if lm.device.type != "cuda" or not triton_ops.available():
+        return True
+    why = triton_ops.launch_failure(lm.device, lm.dtype)
+    if why is not None:
+        log.warning("model %s: one forward per job on transformers' attention: %s", lm.name, why)
+    return why is None
 
 
 def _takes_packed_step(lm: LoadedModel) -> bool:
