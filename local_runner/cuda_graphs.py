@@ -110,7 +110,10 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every bucket's graph, the largest first (the others reuse its memory pool). Each is
-        run once eagerly first: Triton compiles its kernels outside the capture."""
+        run once eagerly first: Triton compiles its kernels outside the capture. The capture errs only
+        on this thread's unsafe calls ("thread_local"): the store's threads may page-lock host memory
+        meanwhile (kvtier/pinned_pool.py grows its pool at start), which "global" would count against
+        the capture."""
         self._fill([])
         self._device.copy_(self._host)  # capture on padding rows (its page, one key), not on zeros
         self._pool_handle = torch.cuda.graph_pool_handle()
@@ -120,7 +123,7 @@ class DecodeGraphs:
             self.stack.forward(ids, positions, keep, plan)  # compile and warm up, outside the graph
             torch.cuda.synchronize(self.pool.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool_handle):
+            with torch.cuda.graph(graph, pool=self._pool_handle, capture_error_mode="thread_local"):
                 logits = self.stack.forward(ids, positions, keep, plan)
             self._graphs[bucket] = _Graph(graph, logits)
         torch.cuda.synchronize(self.pool.device)
