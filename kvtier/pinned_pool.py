@@ -73,8 +73,9 @@ class PinnedPoolWarmer:
         started = time.perf_counter()
         available = self._available()
         blocks = self.blocks
-        if available is not None:  # never more than half of what the machine has free now
-            blocks = min(blocks, available // 2 // self.block_bytes)
+        if available is not None:  # never more than half of what the machine has free now, counting
+            taken = 1 << (self.block_bytes - 1).bit_length()  # each block as torch rounds it up
+            blocks = min(blocks, available // 2 // taken)
         held: list[torch.Tensor] = []  # all held until the end, so each is a block of its own
         try:
             for _ in range(blocks):

@@ -140,11 +140,12 @@ class KVStore:
     def shed_memory(self, nbytes: int) -> int:
         """The machine runs short of memory: free up to `nbytes` of L1 then L0 by dropping the memory
         copies of chunks that are safe in L2 (pinned and schedule-protected chunks stay). Returns bytes
-        freed (their tensors go as soon as no load is reading them; on CUDA torch's pinned cache gives
-        them back to the OS, which it would otherwise keep for later chunks)."""
+        freed (their tensors go as soon as no load is reading them). On CUDA torch's pinned cache is
+        emptied too, freed or not: it keeps freed blocks, and those grown at start, for later chunks,
+        page-locked and so never available to the machine, which is short now."""
         with self._core.lock:
             freed = self._placement.shed(nbytes)
-        if freed and self._core.pin_host:
+        if self._core.pin_host:
             empty_host_cache()
         return freed
 
