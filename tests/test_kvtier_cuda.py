@@ -168,6 +168,46 @@ def test_side_streams_are_kept_and_restores_have_a_high_priority_one_per_thread(
 
 
 @cuda
+def test_a_store_moves_and_restores_on_its_own_streams(tmp_path, monkeypatch):
+    """A put into L1 copies on L1's stream, a restore on its load thread's high-priority stream: no copy
+    of the store takes one of torch's pooled streams."""
+    import threading
+
+    from kvtier.chunk import SideStreams
+
+    taken: list[tuple[int, str]] = []
+    real_get, real_stream = SideStreams.get, torch.cuda.Stream
+    inside = threading.local()  # SideStreams.get itself takes its streams once from the pool
+
+    def get(self, device):
+        taken.append((self._priority, threading.current_thread().name))
+        inside.get = True
+        try:
+            return real_get(self, device)
+        finally:
+            inside.get = False
+
+    def pooled(*args, **kwargs):
+        if threading.current_thread().name.startswith("kvtier") and not getattr(inside, "get", False):
+            raise AssertionError("a store's copy took one of torch's pooled streams")
+        return real_stream(*args, **kwargs)
+
+    store = make(tmp_path, l0=0, l1=8 * CB, l2=0, device="cuda")
+    monkeypatch.setattr(SideStreams, "get", get)
+    monkeypatch.setattr(torch.cuda, "Stream", pooled)
+    layers = kv(2 * CHUNK, seed=61)
+    store.put("t", toks(2 * CHUNK), [(k.cuda(), v.cuda()) for k, v in layers])
+    assert (0, threading.current_thread().name) in taken  # the put's moves into L1
+    restored = store.load(store.lookup("t", toks(2 * CHUNK)))
+    for i, (k, v) in enumerate(layers):
+        rk, rv = restored.layer(i)
+        assert torch.equal(rk.cpu(), k) and torch.equal(rv.cpu(), v)
+    restored.wait()
+    assert any(p < 0 and name.startswith("kvtier-load") for p, name in taken), taken
+    store.close()
+
+
+@cuda
 def test_a_chunk_prefetched_from_disk_is_pinned_in_l1(tmp_path):
     """L1 is page-locked memory on CUDA (copies to the device at full speed, never staged by the
     driver): a chunk the prefetch reads from L2 lands there pinned, not in pageable memory."""
@@ -222,6 +262,7 @@ def test_a_save_queued_behind_the_disk_holds_the_host_copy_not_the_device_chunk(
 def test_the_pinned_pool_is_grown_at_start_so_a_put_into_l1_allocates_none(tmp_path):
     """Growing torch's pinned pool is a cudaHostAlloc paid by whoever asks: a CUDA store grows it by
     L1's chunks on a thread at start, and a put whose chunks go to L1 then takes cached blocks."""
+    torch.cuda.init()  # the host allocator reports nothing before CUDA is initialised
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if stats is None or "num_host_alloc" not in stats():
         pytest.skip("this torch does not count its pinned allocations")

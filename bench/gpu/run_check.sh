@@ -74,7 +74,7 @@ stop() { kill $SP 2>/dev/null; for _ in 1 2 3 4 5; do kill -0 $SP 2>/dev/null ||
 health() { $PY -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read()[:1500].decode(errors='replace'))" "http://127.0.0.1:$PORT/healthz" || echo "no /healthz"; }
 # ready SECONDS: the server warmed up (so nothing times the start), or why not: it died (its log's end
 # printed at once, not after the drive's limit) or is too slow; the phase's drive is skipped then
-ready() { timeout "$(lim "$1")" $PY -m bench.gpu.ready --url "http://127.0.0.1:$PORT" --pid "$SP" --limit "$(lim "$1")" --log "$OUT/serve.log"; }
+ready() { timeout "$(( $(lim "$1") + 10 ))" $PY -m bench.gpu.ready --url "http://127.0.0.1:$PORT" --pid "$SP" --limit "$(lim "$1")" --log "$OUT/serve.log"; }
 drive() { timeout "$(lim "$1")" $PY bench/gpu/drive.py --base "http://127.0.0.1:$PORT" "${@:2}" > /dev/null; }
 if has perf; then
   el speed-8b-shape
