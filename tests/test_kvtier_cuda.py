@@ -36,6 +36,15 @@ def _put_from_a_busy_stream(store, layers) -> None:
     assert not side.query()  # the copies are still queued: the race is on
 
 
+def _restores_exactly(store, match, layers) -> None:
+    """The match's KV, restored layer by layer, is `layers` bit for bit; the load then settles."""
+    restored = store.load(match)
+    for i, (k, v) in enumerate(layers):
+        rk, rv = restored.layer(i)
+        assert torch.equal(rk.cpu(), k) and torch.equal(rv.cpu(), v)
+    restored.wait()
+
+
 @cuda
 def test_a_restore_reads_l0_chunks_only_after_the_stream_that_wrote_them(tmp_path):
     layers = kv(2 * CHUNK, seed=11)
@@ -43,11 +52,7 @@ def test_a_restore_reads_l0_chunks_only_after_the_stream_that_wrote_them(tmp_pat
     _put_from_a_busy_stream(store, layers)
     match = store.lookup("t", toks(2 * CHUNK))
     assert match.tier == "l0"
-    restored = store.load(match)
-    for i, (k, v) in enumerate(layers):
-        rk, rv = restored.layer(i)
-        assert torch.equal(rk.cpu(), k) and torch.equal(rv.cpu(), v)
-    restored.wait()
+    _restores_exactly(store, match, layers)
     store.close()
 
 
@@ -59,11 +64,7 @@ def test_a_demotion_copies_an_l0_chunk_only_after_the_stream_that_wrote_it(tmp_p
     assert store.shed_device_memory() == 2 * CB  # L0 -> L1 at once, while the writer is still busy
     match = store.lookup("t", toks(2 * CHUNK))
     assert match.tier == "l1"
-    restored = store.load(match)
-    for i, (k, v) in enumerate(layers):
-        rk, rv = restored.layer(i)
-        assert torch.equal(rk.cpu(), k) and torch.equal(rv.cpu(), v)
-    restored.wait()
+    _restores_exactly(store, match, layers)
     store.close()
 
 
@@ -198,11 +199,7 @@ def test_a_store_moves_and_restores_on_its_own_streams(tmp_path, monkeypatch):
     layers = kv(2 * CHUNK, seed=61)
     store.put("t", toks(2 * CHUNK), [(k.cuda(), v.cuda()) for k, v in layers])
     assert (0, threading.current_thread().name) in taken  # the put's moves into L1
-    restored = store.load(store.lookup("t", toks(2 * CHUNK)))
-    for i, (k, v) in enumerate(layers):
-        rk, rv = restored.layer(i)
-        assert torch.equal(rk.cpu(), k) and torch.equal(rv.cpu(), v)
-    restored.wait()
+    _restores_exactly(store, store.lookup("t", toks(2 * CHUNK)), layers)
     assert any(p < 0 and name.startswith("kvtier-load") for p, name in taken), taken
     store.close()
 
@@ -250,11 +247,7 @@ def test_a_save_queued_behind_the_disk_holds_the_host_copy_not_the_device_chunk(
     store.flush()
     store.close()
     store = make(tmp_path, l0=0, l1=0, l2=8 * CB, device="cuda")  # a restart: the files only
-    restored = store.load(store.lookup("t", toks(2 * CHUNK)))
-    for i, (k, v) in enumerate(layers):
-        rk, rv = restored.layer(i)
-        assert torch.equal(rk.cpu(), k) and torch.equal(rv.cpu(), v)
-    restored.wait()
+    _restores_exactly(store, store.lookup("t", toks(2 * CHUNK)), layers)
     store.close()
 
 
