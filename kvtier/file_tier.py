@@ -83,9 +83,9 @@ class FileTier(PersistentTier):
     def delete(self, keys: Sequence[str]) -> None:
         """Each file is renamed to a temp name in its folder at once (its chunk is gone from then on: a
         new save of the key writes a file of its own) and unlinked on a thread of this tier: unlinking a
-        chunk's file frees its blocks and its cached pages, milliseconds each (6 ms for 32 MiB on the
-        dev VM), which a put evicting L2 files must not wait for. A temp name left by a crash is
-        removed by a later scan (chunk_folder.is_stale_tmp)."""
+        chunk's file frees its blocks and its cached pages, far slower than a rename (docs/tiering.md),
+        and a put evicting L2 files must not wait for that. A temp name left by a crash is removed by a
+        later scan (chunk_folder.is_stale_tmp)."""
         doomed: list[Path] = []
         for key in keys:
             path = self.path(key)

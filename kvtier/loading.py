@@ -134,7 +134,7 @@ class Loading:
     def _allocate_pinned(self, plan: list[PlanItem]) -> None:
         """On the load thread: the pinned host buffers of the plan's disk chunks. Not in the caller's
         thread (the step's, under the store lock): torch's pinned pool serves every thread alike, and
-        growing it is a cudaHostAlloc per buffer (milliseconds for a chunk) that no step should wait for."""
+        growing it is a cudaHostAlloc per buffer, which page-locks it then, and no step should wait."""
         for item in plan:
             if item.pinned_tokens and item.buf is None:
                 item.buf = ChunkKV.empty(self._core.layout, item.pinned_tokens, torch.device("cpu"), pin=True)

@@ -2,7 +2,7 @@
 
 Why: every L1 buffer and every staging buffer of a disk read or a save is page-locked memory from torch's
 caching host allocator. A block it has not cached yet is a cudaHostAlloc, which page-locks the memory
-there and then (milliseconds for a chunk of tens of MB), paid by whoever asked: a put (a turn's end, its
+there and then (a cost that grows with the block), paid by whoever asked: a put (a turn's end, its
 pages' release) or a load (an L2 hit's TTFT). Freed blocks are cached and handed out again, never given
 back to the driver until the cache is emptied. So the store allocates, on a thread of its own at start,
 as many chunk-sized blocks as L1 holds plus one load's staging, and frees them at once: from then on an

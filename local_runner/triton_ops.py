@@ -45,7 +45,7 @@ def available() -> bool:
 def launch_failure(device: torch.device, dtype: torch.dtype) -> str | None:
     """None when a Triton kernel compiles and runs on `device`, else why not. Importing Triton proves
     little: its first launch compiles a launcher with the machine's C compiler against Python's headers,
-    which a slim image may lack; the engine asks before it builds its CUDA step on these kernels."""
+    which a slim image may lack; the engine asks before it builds a packed step on Triton's kernels."""
     try:
         x = torch.ones(1, 16, dtype=dtype, device=device)
         out = rms_norm(x, torch.ones(16, dtype=dtype, device=device), 1e-6)
