@@ -44,6 +44,22 @@ PARTITION = 4096  # keys per partition (a multiple of BLOCK_N)
 LOG2E = 1.4426950408889634
 
 
+@dataclass(frozen=True)
+class AttentionConfig:
+    """A launch's tiles and pipeline. One config serves every launch of a process: a row's sums follow
+    the layout the tiles and warps give, so launches with two configs could round one row two ways.
+    The defaults are the engine's; bench/gpu/kernels.py times other configs on a device, which is how
+    a default is chosen (docs/engine.md, "On CUDA")."""
+
+    block_m: int = BLOCK_M  # query rows per work item
+    block_n: int = BLOCK_N  # keys per block at most (block_keys)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+ENGINE_ATTENTION = AttentionConfig()
+
+
 def available() -> bool:
     return triton is not None
 
@@ -80,15 +96,23 @@ class KernelPlan:
     partitions: int  # the most partitions any row has
     group: int
     tokens: int
+    config: AttentionConfig = ENGINE_ATTENTION
 
 
-def plan(tables: torch.Tensor, jobs: list[int], lengths: list[int], heads: int, kv_heads: int) -> KernelPlan:
+def plan(
+    tables: torch.Tensor,
+    jobs: list[int],
+    lengths: list[int],
+    heads: int,
+    kv_heads: int,
+    config: AttentionConfig = ENGINE_ATTENTION,
+) -> KernelPlan:
     """Work items for a step's tokens (`jobs[t]`: token t's row of `tables`; `lengths[t]`: its keys):
-    runs of consecutive tokens of one job, at most BLOCK_M // group tokens each."""
+    runs of consecutive tokens of one job, at most config.block_m // group tokens each."""
     group = heads // kv_heads
-    if group > BLOCK_M:
-        raise ValueError(f"{group} query heads per K/V head: the kernel holds at most {BLOCK_M} (ready())")
-    per_item = max(1, BLOCK_M // group)
+    if group > config.block_m:
+        raise ValueError(f"{group} query heads per K/V head: the kernel holds at most {config.block_m}")
+    per_item = max(1, config.block_m // group)
     item_job, item_row, item_count, item_length = [], [], [], []
     t = 0
     while t < len(jobs):
@@ -116,13 +140,14 @@ def plan(tables: torch.Tensor, jobs: list[int], lengths: list[int], heads: int, 
         partitions=partitions_of(max(lengths)),
         group=group,
         tokens=len(jobs),
+        config=config,
     )
 
 
-def block_keys(page_tokens: int) -> int:
-    """Keys per block: at most BLOCK_N, a power of two that divides the page (pages hold multiples of 16),
+def block_keys(page_tokens: int, most: int = BLOCK_N) -> int:
+    """Keys per block: at most `most`, a power of two that divides the page (pages hold multiples of 16),
     so a block never straddles two pages; PARTITION is a multiple of it."""
-    block = BLOCK_N
+    block = most
     while page_tokens % block:
         block //= 2
     return block
@@ -150,6 +175,7 @@ def attend(
     pool, pages a stride apart); [tokens, heads, dim] out."""
     tokens, heads, dim = q.shape
     kv_heads, page_tokens = k_pages.shape[1], k_pages.shape[2]
+    config = meta.config
     out = torch.empty_like(q)
     block_d = triton.next_power_of_2(dim)
     if meta.partitions > 1:
@@ -186,13 +212,13 @@ def attend(
         GROUP=meta.group,
         HEAD_DIM=dim,
         BLOCK_D=block_d,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=block_keys(page_tokens),
+        BLOCK_M=config.block_m,
+        BLOCK_N=block_keys(page_tokens, config.block_n),
         PAGE=page_tokens,
         PARTITION=PARTITION,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if meta.partitions > 1:
         kernels.merge[(tokens, heads)](

@@ -32,10 +32,21 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
 
-# The invariant product's tile: the same for every call (see the module docstring).
-GEMM_BLOCK_M = 64
-GEMM_BLOCK_N = 64
-GEMM_BLOCK_K = 64
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """The invariant product's tile and pipeline: one for every call of a process (see the module
+    docstring; a row's sums over K follow BLOCK_K and the MMA shape the tile gives). The defaults are
+    the engine's; bench/gpu/kernels.py times other configs against cuBLAS on a device."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+ENGINE_LINEAR = LinearConfig()
 
 
 def available() -> bool:
@@ -251,13 +262,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig = ENGINE_LINEAR) -> torch.Tensor:
     """x [rows, K] @ weight [N, K]^T, each row computed the same way whatever the row count."""
     m, k = x.shape
     n = weight.shape[0]
     assert x.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, GEMM_BLOCK_M), triton.cdiv(n, GEMM_BLOCK_N))
+    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
     _kernels().linear[grid](
         x,
         weight,
@@ -268,12 +279,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        BLOCK_M=GEMM_BLOCK_M,
-        BLOCK_N=GEMM_BLOCK_N,
-        BLOCK_K=GEMM_BLOCK_K,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
         DOT_PRECISION=dot_precision(x.dtype),
-        num_warps=4,
-        num_stages=4,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 

@@ -35,6 +35,7 @@ SMALL = {
     "WORDS": "60",
     "TIER_TOKENS": "512",
     "TIER_LAYOUT": "135m",
+    "KERNEL_SHAPE": "tiny",
 }
 
 
@@ -69,7 +70,9 @@ def listening(port: int) -> bool:
 
 def test_every_phase_runs_and_reports(tmp_path: Path) -> None:
     port = free_port()
-    log = run_check(tmp_path / "out", tmp_path / "models", port, PHASES="models perf correct tiers exact")
+    log = run_check(
+        tmp_path / "out", tmp_path / "models", port, PHASES="models perf correct tiers kernels exact"
+    )
     out = tmp_path / "out"
     assert "m135: 0.13 B parameters" in log
     for name in ("correct.jsonl", "exact-correct.jsonl"):  # reuse == recompute, batched == alone
@@ -83,6 +86,10 @@ def test_every_phase_runs_and_reports(tmp_path: Path) -> None:
     assert log.count("warmed up after") == 4, log  # each server waited for before it was timed
     assert "ratio" in log and "equal True" in log  # the summarized TTFT table: a hit against a recompute
     assert "l1 -> pages GB/s" in log and "put returns" in log
+    kernels = [orjson.loads(line) for line in (out / "kernels.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in kernels} == {"prefill", "decode", "linear"}, kernels
+    assert not [r for r in kernels if "failed" in r], kernels  # every config launches (here: interpreted)
+    assert "SDPA, keys whole" in log and "DIFFERS" not in log, log
     assert "s: done" in log
     assert sorted(p.name for p in out.glob("settings-*.json")) == [
         "settings-correct.json",

@@ -4,16 +4,17 @@
 # Builds random-weight models of SmolLM2-135M's and Llama-3.1-8B's shapes on the GPU (no download), runs
 # the CUDA tests, then attnstore at its defaults (but the model, the tiers and max_running, as the
 # reference check sets them): exactness on the 135M shape (reuse == recompute, batched == alone), speed
-# and reuse on the 8B shape, the tiers' GB/s; then the same with batch_invariant true. Prints each
+# and reuse on the 8B shape, the tiers' GB/s, the kernels' configs against torch's own (bench/gpu/
+# kernels.py: how a config is chosen); then the same with batch_invariant true. Prints each
 # figure; everything is kept in OUT_DIR (log.txt, pytest.txt, *.jsonl, serve.log, settings-*.json).
 # Environment (defaults are the device check's):
-#   PHASES    tests models perf correct tiers exact (all, in that order: the most wanted figures first)
+#   PHASES    tests models perf correct tiers kernels exact (all, in that order: the most wanted first)
 #   BUDGET_S  bounds the whole check (default none): each phase's time limit is cut to what is left and
 #             a phase with under 30 s left is skipped, saying so, so that a device call with a hard limit
 #             (600 s) returns every figure measured before it rather than being killed inside one
 #   PY, PORT (8081), MODELS_DIR, MODELS (m135,m8b), MODEL_DEVICE (cuda), DEVICE (auto), PERF_MODEL (m8b),
-#   LENGTHS, EXACT_LENGTHS, STREAMS, DECODE, CONVS, WORDS, TIER_TOKENS, TIER_LAYOUT: smaller runs, such
-#   as tests/test_gpu_check.py's dry run of this script on a CPU
+#   LENGTHS, EXACT_LENGTHS, STREAMS, DECODE, CONVS, WORDS, TIER_TOKENS, TIER_LAYOUT, KERNEL_SHAPE: smaller
+#   runs, such as tests/test_gpu_check.py's dry run of this script on a CPU
 set -u
 PY=${PY:-python3}
 P=$(pwd); OUT=$(readlink -f "$1"); W=${2:-}
@@ -25,7 +26,7 @@ lim() {  # lim SECONDS: the phase's own limit, or what is left of BUDGET_S (10 s
   local left=$(( BUDGET_S - ($(date +%s) - T0) - 10 ))
   if [ "$BUDGET_S" -le 0 ] || [ "$1" -le "$left" ]; then echo "$1"; else echo "$(( left > 1 ? left : 1 ))"; fi
 }
-PHASES=${PHASES:-"tests models perf correct tiers exact"}
+PHASES=${PHASES:-"tests models perf correct tiers kernels exact"}
 has() {  # has PHASE: asked for, and BUDGET_S leaves it 30 s
   [[ " $PHASES " == *" $1 "* ]] || return 1
   [ "$BUDGET_S" -le 0 ] || [ "$(( BUDGET_S - ($(date +%s) - T0) ))" -ge 30 ] && return 0
@@ -97,6 +98,10 @@ fi
 if has tiers; then
   el tiers
   timeout "$(lim 120)" $PY -m bench.tier_transfers --tokens ${TIER_TOKENS:-8192} --reps 3 --layout ${TIER_LAYOUT:-8b}
+fi
+if has kernels; then  # the attention's and the invariant product's configs, timed against torch's own
+  el kernels
+  timeout "$(lim 90)" $PY -m bench.gpu.kernels --shape ${KERNEL_SHAPE:-8b} --out "$OUT/kernels.jsonl"
 fi
 if has exact; then
   el exact-batch-invariant

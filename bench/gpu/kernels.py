@@ -1,0 +1,345 @@
+"""The engine's Triton kernels timed on the device, each in a few configs, beside torch's own on the same
+data: the paged attention against SDPA's causal attention over the same keys laid out whole (the
+bound a paged kernel works towards), and the invariant product (`batch_invariant`) against cuBLAS.
+
+Why: a config (tiles, warps, pipeline stages) is one for every launch of a process (a row's sums follow
+it: triton_attention.AttentionConfig), so it is chosen once, by measuring on the kind of device it
+serves; this prints what that choice needs, the engine's config first and every ratio against it.
+
+    python -m bench.gpu.kernels [--shape 8b] [--reps 5] [--out kernels.jsonl]
+
+Prints, for the model shape's one layer:
+- prefill: a causal prompt of 8k / 16k / 22k tokens in steps of 8,192 (the check's max_batch_tokens),
+  ms and TFLOP/s of the paged kernel per config, and SDPA's on the whole prompt at once;
+- decode: 1 / 8 / 32 jobs of one token at 1k and 8k keys, microseconds and the GB/s of keys and values
+  read;
+- linear: the layer's four products (q/k/v, o, gate/up, down) at 1 to 8,192 rows, ms per config and
+  its ratio to cuBLAS (issue 36 allows the invariant step 15% over the fastest).
+A config that cannot launch (shared memory, registers) says why and is left out. On a CPU it runs under
+Triton's interpreter at `--shape tiny` (tests/test_gpu_check.py): the code path, no figure worth reading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import orjson
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # before Triton's kernels are decorated (at first use)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from local_runner import triton_attention as ta  # noqa: E402
+from local_runner import triton_ops  # noqa: E402
+from local_runner.compiled import first_line  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    page_tokens: int
+    prompts: tuple[int, ...]  # prefill lengths
+    step_tokens: int  # a prefill step's tokens
+    decode_jobs: tuple[int, ...]
+    decode_keys: tuple[int, ...]
+    rows: tuple[int, ...]  # the products' row counts
+
+
+SHAPES = {
+    "8b": Shape(32, 8, 128, 4096, 14336, 256, (8192, 16384, 22528), 8192, (1, 8, 32), (1024, 8192),
+                (1, 8, 32, 256, 8192)),
+    "135m": Shape(9, 3, 64, 576, 1536, 256, (8192, 16384), 8192, (1, 8, 32), (1024, 8192), (1, 32, 8192)),
+    "tiny": Shape(4, 2, 32, 64, 128, 64, (200,), 128, (1, 2), (100,), (1, 8)),
+}  # fmt: skip
+
+# The engine's config first: every ratio is against it.
+ATTENTION_CONFIGS = (
+    ta.ENGINE_ATTENTION,
+    ta.AttentionConfig(num_stages=3),
+    ta.AttentionConfig(num_warps=8),
+    ta.AttentionConfig(block_m=128, num_warps=8),
+    ta.AttentionConfig(block_n=32),
+    ta.AttentionConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
+)
+LINEAR_CONFIGS = (
+    triton_ops.ENGINE_LINEAR,
+    triton_ops.LinearConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
+    triton_ops.LinearConfig(block_n=128, block_k=64, num_stages=3),
+    triton_ops.LinearConfig(block_k=128, num_stages=3),
+)
+
+
+def timed(fn: Callable[[], Any], reps: int) -> float:
+    """Seconds of one call, the median of `reps` after one untimed call (Triton compiles at the first)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if CUDA:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def against(seconds: float, reference: float | None, what: str = "the engine's") -> str:
+    """`seconds` as a ratio of the reference's, where it ran."""
+    return f"  x{seconds / reference:.2f} of {what}" if reference else ""
+
+
+def config_name(config: Any) -> str:
+    return " ".join(f"{k}={v}" for k, v in asdict(config).items())
+
+
+class Report:
+    def __init__(self, out: str | None) -> None:
+        self._file = open(out, "ab") if out else None  # noqa: SIM115 - closed in close()
+
+    def row(self, **fields: Any) -> None:
+        if self._file:
+            self._file.write(orjson.dumps(fields) + b"\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+
+
+def pool(
+    shape: Shape, tokens: int, dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A layer of a page pool holding `tokens` keys, its pages in a shuffled order (as a pool that has
+    served a while hands them out): k, v [pages, kv_heads, page_tokens, dim] and the page count."""
+    pages = -(-tokens // shape.page_tokens)
+    buf = torch.randn(pages, 2, shape.kv_heads, shape.page_tokens, shape.head_dim, device=device).to(dtype)
+    return buf[:, 0], buf[:, 1], pages
+
+
+def prefill(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Report) -> None:
+    scale = shape.head_dim**-0.5
+    for length in shape.prompts:
+        k, v, pages = pool(shape, length, dtype, device)
+        table = torch.randperm(pages, device="cpu").to(torch.int32)[None].to(device)
+        q = torch.randn(length, shape.heads, shape.head_dim, device=device).to(dtype)
+        flops = 4 * shape.head_dim * shape.heads * length * (length + 1) / 2
+        steps = range(0, length, shape.step_tokens)
+        engine_s = None
+        engine_out = None
+        for config in ATTENTION_CONFIGS:
+            plans = [
+                ta.plan(
+                    table,
+                    [0] * min(shape.step_tokens, length - s),
+                    list(range(s + 1, min(s + shape.step_tokens, length) + 1)),
+                    shape.heads,
+                    shape.kv_heads,
+                    config,
+                )
+                for s in steps
+            ]
+
+            run = functools.partial(chunks, q, k, v, plans, scale)
+            seconds = attempt(run, reps)
+            if isinstance(seconds, str):
+                print(f"  prefill {length:>6}  {config_name(config)}: failed: {seconds}")
+                report.row(kind="prefill", tokens=length, config=asdict(config), failed=seconds)
+                continue
+            out = run()
+            if config is ta.ENGINE_ATTENTION:
+                engine_s, engine_out = seconds, out
+            print(
+                f"  prefill {length:>6}  {config_name(config)}: {seconds * 1e3:8.2f} ms"
+                f" {flops / seconds / 1e12:7.1f} TFLOP/s{against(seconds, engine_s)}{agrees(out, engine_out)}"
+            )
+            report.row(kind="prefill", tokens=length, config=asdict(config), seconds=seconds, flops=flops)
+        whole = whole_prompt(shape, k, v, table, length, dtype)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        seconds = attempt(functools.partial(sdpa, *whole, is_causal=True), reps)
+        if isinstance(seconds, str):
+            print(f"  prefill {length:>6}  SDPA: failed: {seconds}")
+        else:
+            print(
+                f"  prefill {length:>6}  SDPA, keys whole, one call: {seconds * 1e3:8.2f} ms"
+                f" {flops / seconds / 1e12:7.1f} TFLOP/s{against(seconds, engine_s)}"
+            )
+            report.row(kind="prefill", tokens=length, config="sdpa", seconds=seconds, flops=flops)
+        del k, v, q, whole
+
+
+def chunks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plans: list[ta.KernelPlan], scale: float
+) -> torch.Tensor:
+    """A prompt's steps, one launch each (one layer's worth); the last step's output."""
+    start = 0
+    for meta in plans:
+        out = ta.attend(q[start : start + meta.tokens], k, v, meta, scale)
+        start += meta.tokens
+    return out
+
+
+def agrees(out: torch.Tensor, reference: torch.Tensor | None) -> str:
+    """Nothing where `out` is the reference's within a 16-bit rounding, else a warning for the line: a
+    config that is fast but wrong is no choice."""
+    if reference is None or torch.allclose(out.float(), reference.float(), atol=2e-2, rtol=2e-2):
+        return ""
+    return "  DIFFERS from the reference"
+
+
+def whole_prompt(
+    shape: Shape, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, length: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same keys gathered out of their pages, each K/V head repeated for its query heads: SDPA's
+    [1, heads, tokens, dim] q, k, v."""
+    order = table[0].long()
+    group = shape.heads // shape.kv_heads
+
+    def whole(pages: torch.Tensor) -> torch.Tensor:
+        x = pages[order].transpose(0, 1).reshape(shape.kv_heads, -1, shape.head_dim)[:, :length]
+        return x.repeat_interleave(group, dim=0)[None].contiguous()
+
+    q = torch.randn(1, shape.heads, length, shape.head_dim, device=k.device).to(dtype)
+    return q, whole(k), whole(v)
+
+
+def decode(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Report) -> None:
+    scale = shape.head_dim**-0.5
+    element = torch.finfo(dtype).bits // 8
+    for keys in shape.decode_keys:
+        per_job = -(-keys // shape.page_tokens)
+        for jobs in shape.decode_jobs:
+            k, v, pages = pool(shape, keys * jobs, dtype, device)
+            tables = torch.randperm(pages).to(torch.int32).reshape(jobs, per_job).to(device)
+            q = torch.randn(jobs, shape.heads, shape.head_dim, device=device).to(dtype)
+            read = 2 * jobs * keys * shape.kv_heads * shape.head_dim * element
+            engine_s = None
+            for config in ATTENTION_CONFIGS:
+                meta = ta.plan(tables, list(range(jobs)), [keys] * jobs, shape.heads, shape.kv_heads, config)
+                seconds = attempt(functools.partial(ta.attend, q, k, v, meta, scale), reps)
+                name = f"  decode {jobs:>2} jobs x {keys:>5} keys  {config_name(config)}"
+                if isinstance(seconds, str):
+                    print(f"{name}: failed: {seconds}")
+                    continue
+                if config is ta.ENGINE_ATTENTION:
+                    engine_s = seconds
+                print(
+                    f"{name}: {seconds * 1e6:8.1f} us {read / seconds / 1e9:7.1f} GB/s{against(seconds, engine_s)}"
+                )
+                report.row(
+                    kind="decode", jobs=jobs, keys=keys, config=asdict(config), seconds=seconds, bytes=read
+                )
+            del k, v, q
+
+
+def linear(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Report) -> None:
+    products = {
+        "qkv": ((shape.heads + 2 * shape.kv_heads) * shape.head_dim, shape.hidden),
+        "o": (shape.hidden, shape.heads * shape.head_dim),
+        "gate_up": (2 * shape.intermediate, shape.hidden),
+        "down": (shape.hidden, shape.intermediate),
+    }
+    weights = {
+        name: torch.randn(n, k, device=device).to(dtype) * k**-0.5 for name, (n, k) in products.items()
+    }
+    for rows in shape.rows:
+        xs = {name: torch.randn(rows, k, device=device).to(dtype) for name, (_, k) in products.items()}
+
+        pairs = [(xs[name], w) for name, w in weights.items()]
+        torch_product = functools.partial(products_of, torch.nn.functional.linear, pairs)
+        cublas = attempt(torch_product, reps)
+        label = "cuBLAS" if CUDA else "torch"
+        if isinstance(cublas, str):
+            print(f"  linear {rows:>5} rows  {label}: failed: {cublas}")
+            continue
+        print(f"  linear {rows:>5} rows  {label}: {cublas * 1e3:8.3f} ms")
+        report.row(kind="linear", rows=rows, config=label, seconds=cublas)
+        reference = torch_product()
+        for config in LINEAR_CONFIGS:
+            invariant = functools.partial(
+                products_of, functools.partial(triton_ops.linear, config=config), pairs
+            )
+            seconds = attempt(invariant, reps)
+            name = f"  linear {rows:>5} rows  {config_name(config)}"
+            if isinstance(seconds, str):
+                print(f"{name}: failed: {seconds}")
+                continue
+            print(
+                f"{name}: {seconds * 1e3:8.3f} ms{against(seconds, cublas, label + chr(39) + 's')}"
+                f"{agrees(invariant(), reference)}"
+            )
+            report.row(kind="linear", rows=rows, config=asdict(config), seconds=seconds)
+        del xs
+
+
+def products_of(
+    product: Callable[..., torch.Tensor], pairs: list[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
+    """A layer's products (x, weight), one call each; the last one's result."""
+    for x, w in pairs:
+        out = product(x, w)
+    return out
+
+
+def attempt(fn: Callable[[], Any], reps: int) -> float | str:
+    """timed(fn), or why it could not run (a config past the device's shared memory, say)."""
+    try:
+        return timed(fn, reps)
+    except Exception as exc:  # any failure to compile or launch: that config is left out
+        if CUDA:
+            torch.cuda.synchronize()
+        return first_line(exc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b" if CUDA else "tiny")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    parser.add_argument("--reps", type=int, default=5 if CUDA else 1)
+    parser.add_argument("--parts", default="prefill,decode,linear")
+    parser.add_argument("--out", default=None, help="also append each figure as a JSON line here")
+    args = parser.parse_args(argv)
+    if not ta.available():
+        print("no Triton here: nothing to time")
+        return 1
+    # the interpreter's bfloat16 products are wrong (triton_attention.py): float16 there
+    dtype = getattr(torch, args.dtype or ("bfloat16" if CUDA else "float16"))
+    device = "cuda" if CUDA else "cpu"
+    shape = SHAPES[args.shape]
+    where = torch.cuda.get_device_name() if CUDA else "CPU, Triton's interpreter"
+    print(f"kernels: {args.shape} shape, {dtype}, {where}, torch {torch.__version__}, median of {args.reps}")
+    report = Report(args.out)
+    torch.manual_seed(0)
+    parts = {"prefill": prefill, "decode": decode, "linear": linear}
+    try:
+        for part in args.parts.split(","):
+            print(f"{part}:")
+            parts[part](shape, dtype, device, args.reps, report)
+            if CUDA:
+                torch.cuda.empty_cache()
+    finally:
+        report.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
