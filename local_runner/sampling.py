@@ -21,6 +21,13 @@ __all__ = ["RowLogits", "Sampler", "SamplingParams", "StepLogits", "TokenLogprob
 MOST_ALTERNATIVES = 20
 
 
+def first_max(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's greatest value, the first where several tie: argmax's answer, by
+    torch.max, whose CPU kernel is vectorized for 16-bit rows where argmax's is not (several times
+    faster at a step's rows: docs/benchmarks.md, "The greedy choice on a CPU")."""
+    return torch.max(logits, dim=-1).indices
+
+
 class StepLogits:
     """One step's logits ([rows, vocab], on the step's device) and what the step's greedy samplers need
     of them, computed for every row at once at first need: the greedy token, and its log-probability with
@@ -37,14 +44,14 @@ class StepLogits:
 
     def greedy(self, i: int) -> int:
         if self._greedy is None:
-            self._greedy = self.logits.argmax(dim=-1).tolist()
+            self._greedy = first_max(self.logits).tolist()
         return self._greedy[i]
 
     def greedy_logprob(self, i: int, top: int) -> TokenLogprob:
         """Row i's greedy token with its log-probability and `top` alternatives (the model's own)."""
         if self._logprobs is None:
             logp = torch.log_softmax(self.logits.float(), dim=-1)
-            greedy = self.logits.argmax(dim=-1, keepdim=True)
+            greedy = first_max(self.logits).unsqueeze(1)
             k = min(MOST_ALTERNATIVES, logp.shape[-1])
             top_values, top_ids = torch.topk(logp, k, dim=-1)
             self._logprobs = (logp.gather(1, greedy)[:, 0].tolist(), top_ids.tolist(), top_values.tolist())
@@ -145,10 +152,10 @@ class Sampler:
     def _choose(self, logits: torch.Tensor) -> int:
         p = self.params
         if p.temperature <= 0:
-            return int(torch.argmax(logits))
+            return int(first_max(logits))
         scaled = logits.float().cpu() / p.temperature
         if torch.isinf(scaled.max()):  # a temperature so close to 0 the division overflows: its limit
-            return int(torch.argmax(logits))
+            return int(first_max(logits))
         if 0 < p.top_k < scaled.numel():
             kth = torch.topk(scaled, p.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))

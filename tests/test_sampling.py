@@ -48,3 +48,20 @@ def test_top_k_samples_only_among_the_k_likeliest_tokens():
     assert chosen == {0, 1}
     everything = {Sampler(SamplingParams(temperature=1.0, seed=s))(logits) for s in range(40)}
     assert len(everything) > 2  # without top_k the others are drawn too
+
+
+def test_the_greedy_choice_is_argmax_s_first_of_ties_in_every_dtype():
+    """first_max replaced argmax for speed (16-bit rows on a CPU): the same index, the first of equal
+    maxima, a NaN where argmax takes it, rows of a step and a lone row alike."""
+    from local_runner.sampling import StepLogits, first_max
+
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        rows = torch.randn(32, 4096).to(dtype)
+        rows[3, 100] = rows[3, 2000] = rows[3].max() + 1  # a tie: the first wins
+        rows[5, 7] = float("nan")
+        assert torch.equal(first_max(rows), rows.argmax(dim=-1)), dtype
+        assert int(first_max(rows[3])) == 100 and int(first_max(rows[5])) == 7
+        step = StepLogits(rows)
+        assert [step.greedy(i) for i in range(32)] == rows.argmax(dim=-1).tolist()
+        assert step.greedy_logprob(3, 2).token == 100
