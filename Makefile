@@ -6,6 +6,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
+# The tests run the CUDA step's Triton kernels under Triton's interpreter and compile them for sm_90
+# (tests/test_triton_compile.py) with this Triton; a CUDA build of torch brings the Triton it was built
+# with (torch 2.11's: 3.6), which `python -m bench.gpu.triton_aot` checks when put first on PYTHONPATH.
+TRITON_PIN ?= triton==3.9.0
 SETTINGS ?= settings.json
 
 .PHONY: run test test-fast install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench-batch bench soak soak-streams clean vllm test-vllm gpu-check
@@ -28,7 +32,7 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 
 # The tests cover the benchmark too, so the dev install includes the bench extra.
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/pip install --quiet -e ".[dev,bench]"
+	$(BIN)/pip install --quiet -e ".[dev,bench]" "$(TRITON_PIN)"
 	touch $@
 
 install: $(VENV)/.installed

@@ -57,10 +57,13 @@ class DecodeGraphs:
         # ids, positions, write page, write offset, keys: a row of `most` each; then the page tables
         self._columns = 5
         size = self._columns * most + most * self.width
-        self._host = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
-        self._device = torch.zeros(size, dtype=torch.long, device=device)
-        self._arange = torch.arange(most, dtype=torch.long, device=device)
-        self._ones = torch.ones(most, dtype=torch.long, device=device)
+        # int32, as the eager steps' kernel plans: the attention kernel compiled for int64 tables and
+        # counts needs more registers for its addresses than sm_90 has (bench/gpu/triton_aot.py), and the
+        # embedding, the rotary kernel and the K/V writes take int32 indices as they are
+        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._device = torch.zeros(size, dtype=torch.int32, device=device)
+        self._arange = torch.arange(most, dtype=torch.int32, device=device)
+        self._ones = torch.ones(most, dtype=torch.int32, device=device)
         self._graphs: dict[int, _Graph] = {}
         self._pool_handle: object = None
         # recorded after each copy of the host buffer: the next _fill waits for it before rewriting the
@@ -92,6 +95,7 @@ class DecodeGraphs:
             partitions=triton_attention.partitions_of(self.most_keys),
             group=self.stack.heads // self.stack.kv_heads,
             tokens=bucket,
+            config=triton_attention.config_for(self.pool.layout.dtype),
         )
         group = PoolGroup(
             pool=self.pool,

@@ -164,7 +164,12 @@ def _attend_group(
     if query.device.type == "cuda" and triton_attention.ready(head_dim, query.shape[1] // key.shape[1]):
         if g.kernel_meta is None:
             g.kernel_meta = triton_attention.plan(
-                g.tables, g.host_jobs, g.host_lengths, query.shape[1], key.shape[1]
+                g.tables,
+                g.host_jobs,
+                g.host_lengths,
+                query.shape[1],
+                key.shape[1],
+                triton_attention.config_for(query.dtype),
             )
         return triton_attention.attend(query, k_pages, v_pages, g.kernel_meta, scaling)
     return _per_job(plan, g, query, k_pages, v_pages, scaling)

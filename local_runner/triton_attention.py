@@ -57,7 +57,16 @@ class AttentionConfig:
     num_stages: int = 2
 
 
+# The engine's configs. Float32's products are FMAs in IEEE float32 (no tensor cores), and the 16-bit
+# tile's operands do not fit in registers then: compiled for sm_90 it spills kilobytes a thread, where
+# key blocks of 16 on 8 warps spill nothing (python -m bench.gpu.triton_aot --dtype float32).
 ENGINE_ATTENTION = AttentionConfig()
+ENGINE_ATTENTION_FLOAT32 = AttentionConfig(block_n=16, num_warps=8)
+
+
+def config_for(dtype: torch.dtype) -> AttentionConfig:
+    """The engine's config for a model computing in `dtype`."""
+    return ENGINE_ATTENTION_FLOAT32 if dtype == torch.float32 else ENGINE_ATTENTION
 
 
 def available() -> bool:
@@ -96,7 +105,7 @@ class KernelPlan:
     partitions: int  # the most partitions any row has
     group: int
     tokens: int
-    config: AttentionConfig = ENGINE_ATTENTION
+    config: AttentionConfig  # config_for(the model's dtype): one for every launch of a process
 
 
 def plan(
@@ -105,7 +114,7 @@ def plan(
     lengths: list[int],
     heads: int,
     kv_heads: int,
-    config: AttentionConfig = ENGINE_ATTENTION,
+    config: AttentionConfig,
 ) -> KernelPlan:
     """Work items for a step's tokens (`jobs[t]`: token t's row of `tables`; `lengths[t]`: its keys):
     runs of consecutive tokens of one job, at most config.block_m // group tokens each."""
@@ -245,7 +254,7 @@ def warm_long_rows(k_pages: torch.Tensor, v_pages: torch.Tensor, heads: int) -> 
     length = PARTITION + 1
     tables = torch.zeros(1, -(-length // page_tokens), dtype=torch.int32, device=k_pages.device)
     q = torch.zeros(1, heads, dim, dtype=k_pages.dtype, device=k_pages.device)
-    attend(q, k_pages, v_pages, plan(tables, [0], [length], heads, kv_heads), 1.0)
+    attend(q, k_pages, v_pages, plan(tables, [0], [length], heads, kv_heads, config_for(q.dtype)), 1.0)
 
 
 def _attention_kernel(

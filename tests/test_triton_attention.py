@@ -28,7 +28,7 @@ def _pool(pages: int, kv_heads: int, page_tokens: int, dim: int, dtype: torch.dt
 def _run(q, k, v, tables, jobs, lengths, heads, kv_heads, scale):
     device = q.device
     table = torch.tensor(tables, dtype=torch.int32, device=device)
-    meta = ta.plan(table, jobs, lengths, heads, kv_heads)
+    meta = ta.plan(table, jobs, lengths, heads, kv_heads, ta.config_for(q.dtype))
     return ta.attend(q, k, v, meta, scale)
 
 
@@ -106,8 +106,11 @@ def test_more_heads_per_kv_head_than_an_item_holds_are_refused():
     table = torch.zeros(1, 1, dtype=torch.int32)
     group = ta.BLOCK_M + 1
     with pytest.raises(ValueError, match="query heads per K/V head"):
-        ta.plan(table, [0], [1], heads=2 * group, kv_heads=2)
-    assert ta.plan(table, [0], [1], heads=2 * ta.BLOCK_M, kv_heads=2).group == ta.BLOCK_M
+        ta.plan(table, [0], [1], heads=2 * group, kv_heads=2, config=ta.ENGINE_ATTENTION)
+    assert (
+        ta.plan(table, [0], [1], heads=2 * ta.BLOCK_M, kv_heads=2, config=ta.ENGINE_ATTENTION).group
+        == ta.BLOCK_M
+    )
 
     def model(heads: int, kv_heads: int) -> SimpleNamespace:
         config = SimpleNamespace(

@@ -38,6 +38,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:  # before Triton's kernels are decorated (at first use)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from bench.gpu.configs import LINEAR_CONFIGS, attention_configs  # noqa: E402
 from local_runner import triton_attention as ta  # noqa: E402
 from local_runner import triton_ops  # noqa: E402
 from local_runner.compiled import first_line  # noqa: E402
@@ -64,22 +65,6 @@ SHAPES = {
     "135m": Shape(9, 3, 64, 576, 1536, 256, (8192, 16384), 8192, (1, 8, 32), (1024, 8192), (1, 32, 8192)),
     "tiny": Shape(4, 2, 32, 64, 128, 64, (200,), 128, (1, 2), (100,), (1, 8)),
 }  # fmt: skip
-
-# The engine's config first: every ratio is against it.
-ATTENTION_CONFIGS = (
-    ta.ENGINE_ATTENTION,
-    ta.AttentionConfig(num_stages=3),
-    ta.AttentionConfig(num_warps=8),
-    ta.AttentionConfig(block_m=128, num_warps=8),
-    ta.AttentionConfig(block_n=32),
-    ta.AttentionConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
-)
-LINEAR_CONFIGS = (
-    triton_ops.ENGINE_LINEAR,
-    triton_ops.LinearConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
-    triton_ops.LinearConfig(block_n=128, block_k=64, num_stages=3),
-    triton_ops.LinearConfig(block_k=128, num_stages=3),
-)
 
 
 def timed(fn: Callable[[], Any], reps: int) -> float:
@@ -144,7 +129,8 @@ def prefill(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Re
         steps = range(0, length, shape.step_tokens)
         engine_s = None
         engine_out = None
-        for config in ATTENTION_CONFIGS:
+        configs = attention_configs(dtype)
+        for config in configs:
             plans = [
                 ta.plan(
                     table,
@@ -164,7 +150,7 @@ def prefill(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Re
                 report.row(kind="prefill", tokens=length, config=asdict(config), failed=seconds)
                 continue
             out = run()
-            if config is ta.ENGINE_ATTENTION:
+            if config is configs[0]:
                 engine_s, engine_out = seconds, out
             print(
                 f"  prefill {length:>6}  {config_name(config)}: {seconds * 1e3:8.2f} ms"
@@ -231,14 +217,15 @@ def decode(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Rep
             q = torch.randn(jobs, shape.heads, shape.head_dim, device=device).to(dtype)
             read = 2 * jobs * keys * shape.kv_heads * shape.head_dim * element
             engine_s = None
-            for config in ATTENTION_CONFIGS:
+            configs = attention_configs(dtype)
+            for config in configs:
                 meta = ta.plan(tables, list(range(jobs)), [keys] * jobs, shape.heads, shape.kv_heads, config)
                 seconds = attempt(functools.partial(ta.attend, q, k, v, meta, scale), reps)
                 name = f"  decode {jobs:>2} jobs x {keys:>5} keys  {config_name(config)}"
                 if isinstance(seconds, str):
                     print(f"{name}: failed: {seconds}")
                     continue
-                if config is ta.ENGINE_ATTENTION:
+                if config is configs[0]:
                     engine_s = seconds
                 print(
                     f"{name}: {seconds * 1e6:8.1f} us {read / seconds / 1e9:7.1f} GB/s{against(seconds, engine_s)}"
