@@ -69,6 +69,10 @@ def test_every_launch_of_a_layer_compiles_for_sm90_without_spilling(dtype: str) 
             assert b["async_copies"], b  # key and weight blocks loaded ahead of their use, not waited for
             # 16-bit products on tensor cores; float32's, in IEEE float32, are FMAs (dot_precision)
             assert b["tensor_core"] == (dtype != "float32"), b
+    # the rotary rounds each product, then their sum, as torch does (enable_fp_fusion=False): a fused
+    # multiply-add would round a float32 product and sum once
+    rotary = next(b for b in built if b["name"] == "rotary")
+    assert rotary["float32_fmas"] == 0, rotary
 
 
 def test_the_specialization_follows_the_jit(monkeypatch: pytest.MonkeyPatch) -> None:

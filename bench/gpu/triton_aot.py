@@ -81,6 +81,7 @@ class Built:
     shared_bytes: int
     tensor_core: bool  # wgmma (sm_90) or mma
     async_copies: bool  # cp.async or TMA: loads pipelined ahead of their use
+    float32_fmas: int  # fma.rn.f32 instructions: a product and a sum rounded once, not twice
 
 
 class _Recorder:
@@ -228,6 +229,7 @@ def build(launch: Launch, arch: int = 90) -> Built:
         shared_bytes=compiled.metadata.shared,
         tensor_core="wgmma.mma_async" in ptx or "mma.sync" in ptx,
         async_copies="cp.async" in ptx,
+        float32_fmas=ptx.count("fma.rn.f32"),
     )
 
 
