@@ -90,6 +90,7 @@ def test_every_phase_runs_and_reports(tmp_path: Path) -> None:
     assert {r["kind"] for r in kernels} == {"prefill", "decode", "linear"}, kernels
     assert not [r for r in kernels if "failed" in r], kernels  # every config launches (here: interpreted)
     assert "SDPA, keys whole" in log and "DIFFERS" not in log, log
+    assert "attention: fastest config that ran and agreed everywhere" in log and "of torch's product" in log
     assert "s: done" in log
     assert sorted(p.name for p in out.glob("settings-*.json")) == [
         "settings-correct.json",

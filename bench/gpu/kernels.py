@@ -92,17 +92,71 @@ def against(seconds: float, reference: float | None, what: str = "the engine's")
 
 
 def config_name(config: Any) -> str:
-    return " ".join(f"{k}={v}" for k, v in asdict(config).items())
+    return config_name_of(asdict(config))
+
+
+def config_name_of(fields: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def _geomean(values: list[float]) -> float:
+    return float(statistics.geometric_mean(values))
 
 
 class Report:
+    """Each figure as a JSON line (--out) and in memory, for the summary."""
+
     def __init__(self, out: str | None) -> None:
         self._file = open(out, "ab") if out else None  # noqa: SIM115 - closed in close()
+        self.rows: list[dict[str, Any]] = []
 
     def row(self, **fields: Any) -> None:
+        self.rows.append(fields)
         if self._file:
             self._file.write(orjson.dumps(fields) + b"\n")
             self._file.flush()
+
+    def summary(self) -> list[str]:
+        """The choice the figures support: for the attention, the config whose time is least against
+        the engine's (the geometric mean of its ratios over every prompt and decode point), among those
+        that ran and agreed everywhere; for the invariant product, each config against cuBLAS (the
+        geometric mean and the worst, issue 36's bound being 1.15)."""
+        lines = []
+        attention = [r for r in self.rows if r["kind"] in ("prefill", "decode") and r["config"] != "sdpa"]
+        engine = {self._point(r): r["seconds"] for r in attention if r.get("engine")}
+        ratios: dict[str, list[float]] = {}
+        spoiled: set[str] = set()
+        for r in attention:
+            name = config_name_of(r["config"])
+            if "failed" in r or r.get("differs"):
+                spoiled.add(name)
+            elif self._point(r) in engine:
+                ratios.setdefault(name, []).append(r["seconds"] / engine[self._point(r)])
+        whole = {n: v for n, v in ratios.items() if n not in spoiled and len(v) == len(engine)}
+        if whole:
+            best = min(whole, key=lambda n: _geomean(whole[n]))
+            lines.append(
+                f"attention: fastest config that ran and agreed everywhere: {best}, x{_geomean(whole[best]):.2f}"
+                f" of the engine's (geometric mean over {len(engine)} points; worst x{max(whole[best]):.2f})"
+            )
+        linear = [r for r in self.rows if r["kind"] == "linear"]
+        torch_s = {r["rows"]: r["seconds"] for r in linear if isinstance(r["config"], str)}
+        by_config: dict[str, list[float]] = {}
+        for r in linear:
+            if not isinstance(r["config"], str) and r["rows"] in torch_s and not r.get("differs"):
+                by_config.setdefault(config_name_of(r["config"]), []).append(
+                    r["seconds"] / torch_s[r["rows"]]
+                )
+        for name, values in sorted(by_config.items(), key=lambda item: _geomean(item[1])):
+            lines.append(
+                f"linear: {name}: x{_geomean(values):.2f} of torch's product (geometric mean over"
+                f" {len(values)} row counts), worst x{max(values):.2f}"
+            )
+        return lines
+
+    @staticmethod
+    def _point(r: dict[str, Any]) -> tuple:
+        return (r["kind"], r.get("tokens"), r.get("jobs"), r.get("keys"))
 
     def close(self) -> None:
         if self._file:
@@ -152,11 +206,20 @@ def prefill(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Re
             out = run()
             if config is configs[0]:
                 engine_s, engine_out = seconds, out
+            differs = agrees(out, engine_out)
             print(
                 f"  prefill {length:>6}  {config_name(config)}: {seconds * 1e3:8.2f} ms"
-                f" {flops / seconds / 1e12:7.1f} TFLOP/s{against(seconds, engine_s)}{agrees(out, engine_out)}"
+                f" {flops / seconds / 1e12:7.1f} TFLOP/s{against(seconds, engine_s)}{differs}"
             )
-            report.row(kind="prefill", tokens=length, config=asdict(config), seconds=seconds, flops=flops)
+            report.row(
+                kind="prefill",
+                tokens=length,
+                config=asdict(config),
+                seconds=seconds,
+                flops=flops,
+                engine=config is configs[0],
+                differs=bool(differs),
+            )
         whole = whole_prompt(shape, k, v, table, length, dtype)
         sdpa = torch.nn.functional.scaled_dot_product_attention
         seconds = attempt(functools.partial(sdpa, *whole, is_causal=True), reps)
@@ -231,7 +294,13 @@ def decode(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Rep
                     f"{name}: {seconds * 1e6:8.1f} us {read / seconds / 1e9:7.1f} GB/s{against(seconds, engine_s)}"
                 )
                 report.row(
-                    kind="decode", jobs=jobs, keys=keys, config=asdict(config), seconds=seconds, bytes=read
+                    kind="decode",
+                    jobs=jobs,
+                    keys=keys,
+                    config=asdict(config),
+                    seconds=seconds,
+                    bytes=read,
+                    engine=config is configs[0],
                 )
             del k, v, q
 
@@ -268,11 +337,13 @@ def linear(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Rep
             if isinstance(seconds, str):
                 print(f"{name}: failed: {seconds}")
                 continue
+            differs = agrees(invariant(), reference)
             print(
-                f"{name}: {seconds * 1e3:8.3f} ms{against(seconds, cublas, label + chr(39) + 's')}"
-                f"{agrees(invariant(), reference)}"
+                f"{name}: {seconds * 1e3:8.3f} ms{against(seconds, cublas, label + chr(39) + 's')}{differs}"
             )
-            report.row(kind="linear", rows=rows, config=asdict(config), seconds=seconds)
+            report.row(
+                kind="linear", rows=rows, config=asdict(config), seconds=seconds, differs=bool(differs)
+            )
         del xs
 
 
@@ -323,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
             parts[part](shape, dtype, device, args.reps, report)
             if CUDA:
                 torch.cuda.empty_cache()
+        print("summary:")
+        for line in report.summary():
+            print(f"  {line}")
     finally:
         report.close()
     return 0
