@@ -23,6 +23,8 @@ LINEAR_CONFIGS = (
     triton_ops.LinearConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
     triton_ops.LinearConfig(block_n=128, num_stages=3),
     triton_ops.LinearConfig(block_k=128, num_stages=3),
+    # narrower tiles: more programs for a decode step's few rows (N / 32 of them), less reuse at many
+    triton_ops.LinearConfig(block_n=32, block_k=128, num_stages=4),
 )
 
 
