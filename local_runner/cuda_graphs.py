@@ -57,11 +57,17 @@ class DecodeGraphs:
         # ids, positions, write page, write offset, keys: a row of `most` each; then the page tables
         self._columns = 5
         size = self._columns * most + most * self.width
-        # int32, as the eager steps' kernel plans: the attention kernel compiled for int64 tables and
-        # counts needs more registers for its addresses than sm_90 has (bench/gpu/triton_aot.py), and the
-        # embedding, the rotary kernel and the K/V writes take int32 indices as they are
-        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self._device = torch.zeros(size, dtype=torch.int32, device=device)
+        self._host = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._device = torch.zeros(size, dtype=torch.long, device=device)
+        # What the attention kernel reads, in int32 as the eager steps' plans have it: compiled for int64
+        # tables and counts it needs more registers than sm_90 has (bench/gpu/triton_aot.py). The K/V
+        # writes keep int64 (an int32 index is converted at every indexed write: kernels per layer); each
+        # replay casts the keys and tables over once. The tables start 16 bytes aligned (padded keys), as
+        # Triton's pipelined loads want their pointers.
+        self._keys_span = -(-most // 4) * 4
+        self._kernel_inputs = torch.zeros(
+            self._keys_span + most * self.width, dtype=torch.int32, device=device
+        )
         self._arange = torch.arange(most, dtype=torch.int32, device=device)
         self._ones = torch.ones(most, dtype=torch.int32, device=device)
         self._graphs: dict[int, _Graph] = {}
@@ -79,10 +85,27 @@ class DecodeGraphs:
         most = self.buckets[-1]
         return buf[self._columns * most :].reshape(most, self.width)
 
+    def _kernel_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int32 keys [most] and tables [most, width] the attention kernel reads."""
+        most = self.buckets[-1]
+        keys = self._kernel_inputs[:most]
+        return keys, self._kernel_inputs[self._keys_span :].view(most, self.width)
+
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, plan: PackedPlan
+    ) -> torch.Tensor:
+        """A bucket's step: the kernel's int32 inputs cast from the copied static inputs, then the
+        forward (both captured in the graph, so each replay does both)."""
+        keys, tables = self._kernel_views()
+        keys.copy_(self._field(self._device, 4))
+        tables.copy_(self._tables(self._device))
+        return self.stack.forward(ids, positions, keep, plan)
+
     def _plan(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PackedPlan]:
-        """The static inputs of a bucket (views of the device buffer) and the plan its forward reads."""
-        ids, positions, pages, offsets, lengths = (self._field(self._device, i)[:bucket] for i in range(5))
-        tables = self._tables(self._device)[:bucket]
+        """The static inputs of a bucket (views of the device buffers) and the plan its forward reads."""
+        ids, positions, pages, offsets = (self._field(self._device, i)[:bucket] for i in range(4))
+        keys, all_tables = self._kernel_views()
+        lengths, tables = keys[:bucket], all_tables[:bucket]
         rows = self._arange[:bucket]
         meta = triton_attention.KernelPlan(
             tables=tables,
@@ -124,11 +147,11 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.pool.device)
         for bucket in reversed(self.buckets):
             ids, positions, keep, plan = self._plan(bucket)
-            self.stack.forward(ids, positions, keep, plan)  # compile and warm up, outside the graph
+            self._forward(ids, positions, keep, plan)  # compile and warm up, outside the graph
             torch.cuda.synchronize(self.pool.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool_handle, capture_error_mode="thread_local"):
-                logits = self.stack.forward(ids, positions, keep, plan)
+                logits = self._forward(ids, positions, keep, plan)
             self._graphs[bucket] = _Graph(graph, logits)
         torch.cuda.synchronize(self.pool.device)
 
@@ -161,7 +184,7 @@ class DecodeGraphs:
             logits = graph.logits
         else:  # not captured (a CPU test): the replay's computation, run eagerly on the same inputs
             ids, positions, keep, plan = self._plan(bucket)
-            logits = self.stack.forward(ids, positions, keep, plan)
+            logits = self._forward(ids, positions, keep, plan)
         step_logits = StepLogits(logits[: len(work)])
         for w in work:
             w.kv.length += 1

@@ -35,8 +35,8 @@ from kvtier import KVLayout
 KV = tuple[torch.Tensor, torch.Tensor]
 
 # The kernels read keys in blocks of 16 (exact_attention.cpp's tiles) or of the largest power of two up
-# to 64 that divides the page (triton_attention.py): a page holds whole blocks, so a block never
-# straddles two pages.
+# to their config's block (16 to 64: triton_attention.AttentionConfig) that divides the page: a page
+# holds whole blocks, so a block never straddles two pages.
 PAGE_MULTIPLE = 16
 # A page of a model without a store (the store's chunk size otherwise): kvtier's default chunk.
 DEFAULT_PAGE_TOKENS = 256

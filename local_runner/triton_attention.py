@@ -56,6 +56,14 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
 
+    def __post_init__(self) -> None:
+        # tl.dot takes tiles of at least 16 a side, Triton's blocks are powers of two, a page holds whole
+        # key blocks (pages are multiples of 16 tokens) and a partition whole blocks
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1) or PARTITION % value:
+                raise ValueError(f"{name} {value}: a power of two, at least 16, dividing {PARTITION}")
+
 
 # The engine's configs. Float32's products are FMAs in IEEE float32 (no tensor cores), and the 16-bit
 # tile's operands do not fit in registers then: compiled for sm_90 it spills kilobytes a thread, where

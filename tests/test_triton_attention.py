@@ -149,3 +149,11 @@ def test_the_warm_up_launches_the_merge_of_a_row_past_a_partition(monkeypatch):
     ta.warm_long_rows(k, v, heads=4)
     assert [name for name, _ in launched] == ["attention", "merge"]
     assert launched[0][1][2] == 2  # one item of one K/V head per program, over 2 partitions
+
+
+def test_a_config_takes_only_tiles_the_kernel_can():
+    """Key and query blocks are powers of two of at least 16 (tl.dot's least) that divide a partition."""
+    assert ta.config_for(torch.float32).block_n == 16 and ta.config_for(torch.bfloat16) == ta.ENGINE_ATTENTION
+    for bad in ({"block_n": 8}, {"block_n": 48}, {"block_m": 24}):
+        with pytest.raises(ValueError, match="power of two"):
+            ta.AttentionConfig(**bad)
