@@ -67,23 +67,37 @@ SHAPES = {
 }  # fmt: skip
 
 
-def timed(fn: Callable[[], Any], reps: int) -> float:
-    """Seconds of one call, the median of `reps` after one untimed call (Triton compiles at the first)."""
+def timed(fn: Callable[[], Any], reps: int, calls: int = 1) -> float:
+    """Seconds of one of the `calls` calls `fn` makes, the median of `reps` after one untimed run
+    (Triton compiles at the first). On CUDA `fn` is captured in a CUDA graph and replayed, as the
+    engine replays its decode steps: a launch from Python costs tens of microseconds, which a decode
+    step's kernels would otherwise be timed by (eagerly where the capture fails)."""
     fn()
+    run = fn
+    if CUDA:
+        torch.cuda.synchronize()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            run = graph.replay
+        except Exception:  # a capture this torch or kernel does not allow: timed eagerly
+            torch.cuda.synchronize()
+        run()
     times = []
     for _ in range(reps):
         if CUDA:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            run()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1000)
         else:
             t0 = time.perf_counter()
-            fn()
+            run()
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times) / calls
 
 
 def against(seconds: float, reference: float | None, what: str = "the engine's") -> str:
@@ -107,7 +121,7 @@ class Report:
     """Each figure as a JSON line (--out) and in memory, for the summary."""
 
     def __init__(self, out: str | None) -> None:
-        self._file = open(out, "ab") if out else None  # noqa: SIM115 - closed in close()
+        self._file = open(out, "wb") if out else None  # noqa: SIM115 - closed in close()
         self.rows: list[dict[str, Any]] = []
 
     def row(self, **fields: Any) -> None:
@@ -133,6 +147,7 @@ class Report:
             elif self._point(r) in engine:
                 ratios.setdefault(name, []).append(r["seconds"] / engine[self._point(r)])
         whole = {n: v for n, v in ratios.items() if n not in spoiled and len(v) == len(engine)}
+        lines += [f"attention: {name}: failed or differed somewhere (left out)" for name in sorted(spoiled)]
         if whole:
             best = min(whole, key=lambda n: _geomean(whole[n]))
             lines.append(
@@ -140,14 +155,22 @@ class Report:
                 f" of the engine's (geometric mean over {len(engine)} points; worst x{max(whole[best]):.2f})"
             )
         linear = [r for r in self.rows if r["kind"] == "linear"]
-        torch_s = {r["rows"]: r["seconds"] for r in linear if isinstance(r["config"], str)}
+        torch_s = {r["rows"]: r["seconds"] for r in linear if isinstance(r["config"], str) and "seconds" in r}
         by_config: dict[str, list[float]] = {}
+        broken: set[str] = set()
         for r in linear:
-            if not isinstance(r["config"], str) and r["rows"] in torch_s and not r.get("differs"):
-                by_config.setdefault(config_name_of(r["config"]), []).append(
-                    r["seconds"] / torch_s[r["rows"]]
-                )
-        for name, values in sorted(by_config.items(), key=lambda item: _geomean(item[1])):
+            if isinstance(r["config"], str):
+                continue
+            name = config_name_of(r["config"])
+            if "failed" in r or r.get("differs"):
+                broken.add(name)
+            elif r["rows"] in torch_s:
+                by_config.setdefault(name, []).append(r["seconds"] / torch_s[r["rows"]])
+        lines += [
+            f"linear: {name}: failed or differed at some row count (left out)" for name in sorted(broken)
+        ]
+        complete = {n: v for n, v in by_config.items() if n not in broken and len(v) == len(torch_s)}
+        for name, values in sorted(complete.items(), key=lambda item: _geomean(item[1])):
             lines.append(
                 f"linear: {name}: x{_geomean(values):.2f} of torch's product (geometric mean over"
                 f" {len(values)} row counts), worst x{max(values):.2f}"
@@ -269,40 +292,60 @@ def whole_prompt(
     return q, whole(k), whole(v)
 
 
+# A decode step reads each layer's keys once: the timed launches cycle through enough copies of the
+# pool (standing for layers) that none is still in the GPU's L2 (50-60 MB) when it is read again.
+L2_FLUSH_BYTES = 256 << 20
+
+
 def decode(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Report) -> None:
     scale = shape.head_dim**-0.5
     element = torch.finfo(dtype).bits // 8
     for keys in shape.decode_keys:
         per_job = -(-keys // shape.page_tokens)
         for jobs in shape.decode_jobs:
-            k, v, pages = pool(shape, keys * jobs, dtype, device)
+            layers = []
+            for _ in range(32):
+                k, v, pages = pool(shape, keys * jobs, dtype, device)
+                layers.append((k, v))
+                if not CUDA or len(layers) * 2 * k.numel() * element >= L2_FLUSH_BYTES:
+                    break
             tables = torch.randperm(pages).to(torch.int32).reshape(jobs, per_job).to(device)
             q = torch.randn(jobs, shape.heads, shape.head_dim, device=device).to(dtype)
             read = 2 * jobs * keys * shape.kv_heads * shape.head_dim * element
             engine_s = None
+            engine_out = None
             configs = attention_configs(dtype)
             for config in configs:
                 meta = ta.plan(tables, list(range(jobs)), [keys] * jobs, shape.heads, shape.kv_heads, config)
-                seconds = attempt(functools.partial(ta.attend, q, k, v, meta, scale), reps)
+                run = functools.partial(each_layer, q, layers, meta, scale)
+                seconds = attempt(run, reps, calls=len(layers))
                 name = f"  decode {jobs:>2} jobs x {keys:>5} keys  {config_name(config)}"
+                point = {"kind": "decode", "jobs": jobs, "keys": keys, "config": asdict(config)}
                 if isinstance(seconds, str):
                     print(f"{name}: failed: {seconds}")
+                    report.row(**point, failed=seconds)
                     continue
+                out = run()
                 if config is configs[0]:
-                    engine_s = seconds
+                    engine_s, engine_out = seconds, out
+                differs = agrees(out, engine_out)
                 print(
-                    f"{name}: {seconds * 1e6:8.1f} us {read / seconds / 1e9:7.1f} GB/s{against(seconds, engine_s)}"
+                    f"{name}: {seconds * 1e6:8.1f} us {read / seconds / 1e9:7.1f} GB/s"
+                    f"{against(seconds, engine_s)}{differs}"
                 )
                 report.row(
-                    kind="decode",
-                    jobs=jobs,
-                    keys=keys,
-                    config=asdict(config),
-                    seconds=seconds,
-                    bytes=read,
-                    engine=config is configs[0],
+                    **point, seconds=seconds, bytes=read, engine=config is configs[0], differs=bool(differs)
                 )
-            del k, v, q
+            del layers, q
+
+
+def each_layer(
+    q: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]], meta: ta.KernelPlan, scale: float
+) -> torch.Tensor:
+    """One decode step's attention over each layer's pool in turn; the last layer's output."""
+    for k, v in layers:
+        out = ta.attend(q, k, v, meta, scale)
+    return out
 
 
 def linear(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Report) -> None:
@@ -324,6 +367,7 @@ def linear(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Rep
         label = "cuBLAS" if CUDA else "torch"
         if isinstance(cublas, str):
             print(f"  linear {rows:>5} rows  {label}: failed: {cublas}")
+            report.row(kind="linear", rows=rows, config=label, failed=cublas)
             continue
         print(f"  linear {rows:>5} rows  {label}: {cublas * 1e3:8.3f} ms")
         report.row(kind="linear", rows=rows, config=label, seconds=cublas)
@@ -336,6 +380,7 @@ def linear(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Rep
             name = f"  linear {rows:>5} rows  {config_name(config)}"
             if isinstance(seconds, str):
                 print(f"{name}: failed: {seconds}")
+                report.row(kind="linear", rows=rows, config=asdict(config), failed=seconds)
                 continue
             differs = agrees(invariant(), reference)
             print(
@@ -356,10 +401,10 @@ def products_of(
     return out
 
 
-def attempt(fn: Callable[[], Any], reps: int) -> float | str:
+def attempt(fn: Callable[[], Any], reps: int, calls: int = 1) -> float | str:
     """timed(fn), or why it could not run (a config past the device's shared memory, say)."""
     try:
-        return timed(fn, reps)
+        return timed(fn, reps, calls)
     except Exception as exc:  # any failure to compile or launch: that config is left out
         if CUDA:
             torch.cuda.synchronize()
@@ -389,14 +434,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     parts = {"prefill": prefill, "decode": decode, "linear": linear}
     try:
-        for part in args.parts.split(","):
+        wanted = args.parts.split(",")
+        for part in wanted:
             print(f"{part}:")
             parts[part](shape, dtype, device, args.reps, report)
             if CUDA:
                 torch.cuda.empty_cache()
-        print("summary:")
-        for line in report.summary():
-            print(f"  {line}")
+            # after each part, so that a run cut short by its time limit still says what it measured
+            print("summary:" if part == wanted[-1] else f"summary so far ({part}):")
+            for line in report.summary():
+                print(f"  {line}")
     finally:
         report.close()
     return 0

@@ -14,9 +14,9 @@ prints one line per launch and config: the engine's configs and those bench/gpu/
 
 How a launch is taken: the wrappers (triton_attention.attend, triton_ops.linear, rms_norm, rotary_,
 silu_mul) run on CPU tensors with their kernels replaced by recorders, which keep the arguments and
-launch options instead of launching. Each argument is then specialized as Triton's JIT does at a
-launch (a tensor is a pointer to its dtype, 16-byte aligned or not; an integer is a constant where it is
-1, divisible by 16 or not, unless the kernel says not to specialize it; a float is fp32).
+launch options instead of launching. Each argument is then specialized by Triton's own code, as its JIT
+does at a launch (a tensor is a pointer to its dtype, 16-byte aligned or not; an integer is a constant
+where it is 1, divisible by 16 or not, unless the kernel says not to specialize it; a float is fp32).
 """
 
 from __future__ import annotations
@@ -51,14 +51,6 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 # What an SM offers a block on each target (opt-in shared memory per block, bytes).
 SHARED_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-
-_TYPES = {
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float32: "fp32",
-    torch.int32: "i32",
-    torch.int64: "i64",
-}
 
 
 @dataclass
@@ -181,33 +173,28 @@ def engine_launches(
 
 
 def _specialize(launch: Launch) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int, ...], list]]:
-    """signature, constexprs and attrs for ASTSource, as Triton's JIT specializes these arguments."""
+    """signature, constexprs and attrs for ASTSource, as Triton's JIT specializes these arguments at a
+    launch: by Triton's own specialization (what JITFunction.run calls; the NVIDIA backend keeps
+    BaseBackend's rules), with each parameter's do_not_specialize."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
     signature: dict[str, str] = {}
     constexprs: dict[str, Any] = {}
     attrs: dict[tuple[int, ...], list] = {}
     for i, param in enumerate(launch.kernel.params):
         value = launch.args[param.name]
-        aligned = False
         if param.is_constexpr:
             signature[param.name], constexprs[param.name] = "constexpr", value
             continue
-        if isinstance(value, torch.Tensor):
-            signature[param.name] = "*" + _TYPES[value.dtype]
-            aligned = value.data_ptr() % 16 == 0
-        elif isinstance(value, bool):
-            signature[param.name] = "i1"
-        elif isinstance(value, int):
-            if value == 1 and not param.do_not_specialize:
-                signature[param.name], constexprs[param.name] = "constexpr", 1
-                continue
-            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            aligned = value % 16 == 0 and not param.do_not_specialize
-        elif isinstance(value, float):
-            signature[param.name] = "fp32"
-        else:
-            raise TypeError(f"{launch.name}: argument {param.name} is a {type(value).__name__}")
-        if aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
+        kind, key = native_specialize_impl(
+            BaseBackend, value, False, not param.do_not_specialize, not param.do_not_specialize_on_alignment
+        )
+        signature[param.name] = kind
+        if kind == "constexpr":  # an integer of 1
+            constexprs[param.name] = key
+        elif isinstance(key, str) and (hint := BaseBackend.parse_attr(key)):
+            attrs[(i,)] = hint
     return signature, constexprs, attrs
 
 
