@@ -196,6 +196,45 @@ def pool(
     return buf[:, 0], buf[:, 1], pages
 
 
+@dataclass
+class Baseline:
+    """The engine's config's figure at one point, which the other configs are compared with."""
+
+    seconds: float | None = None
+    out: torch.Tensor | None = None
+
+    def record(
+        self,
+        report: Report,
+        point: dict[str, Any],
+        name: str,
+        run: Callable[[], torch.Tensor],
+        seconds: float | str,
+        is_engine: bool,
+        figure: Callable[[float], str],
+    ) -> None:
+        """One config's figure at a point (or why it failed): printed with its ratio to the engine's
+        and whether its output agrees with the engine's, and reported."""
+        if isinstance(seconds, str):
+            print(f"{name}: failed: {seconds}")
+            report.row(**point, failed=seconds)
+            return
+        out = run()
+        if is_engine:
+            self.seconds, self.out = seconds, out
+        differs = agrees(out, self.out)
+        print(f"{name}: {figure(seconds)}{against(seconds, self.seconds)}{differs}")
+        report.row(**point, seconds=seconds, engine=is_engine, differs=bool(differs))
+
+
+def prefill_figure(flops: float, seconds: float) -> str:
+    return f"{seconds * 1e3:8.2f} ms {flops / seconds / 1e12:7.1f} TFLOP/s"
+
+
+def decode_figure(read: int, seconds: float) -> str:
+    return f"{seconds * 1e6:8.1f} us {read / seconds / 1e9:7.1f} GB/s"
+
+
 def prefill(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Report) -> None:
     scale = shape.head_dim**-0.5
     for length in shape.prompts:
@@ -204,8 +243,7 @@ def prefill(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Re
         q = torch.randn(length, shape.heads, shape.head_dim, device=device).to(dtype)
         flops = 4 * shape.head_dim * shape.heads * length * (length + 1) / 2
         steps = range(0, length, shape.step_tokens)
-        engine_s = None
-        engine_out = None
+        base = Baseline()
         configs = attention_configs(dtype)
         for config in configs:
             plans = [
@@ -219,29 +257,15 @@ def prefill(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Re
                 )
                 for s in steps
             ]
-
             run = functools.partial(chunks, q, k, v, plans, scale)
-            seconds = attempt(run, reps)
-            if isinstance(seconds, str):
-                print(f"  prefill {length:>6}  {config_name(config)}: failed: {seconds}")
-                report.row(kind="prefill", tokens=length, config=asdict(config), failed=seconds)
-                continue
-            out = run()
-            if config is configs[0]:
-                engine_s, engine_out = seconds, out
-            differs = agrees(out, engine_out)
-            print(
-                f"  prefill {length:>6}  {config_name(config)}: {seconds * 1e3:8.2f} ms"
-                f" {flops / seconds / 1e12:7.1f} TFLOP/s{against(seconds, engine_s)}{differs}"
-            )
-            report.row(
-                kind="prefill",
-                tokens=length,
-                config=asdict(config),
-                seconds=seconds,
-                flops=flops,
-                engine=config is configs[0],
-                differs=bool(differs),
+            base.record(
+                report,
+                {"kind": "prefill", "tokens": length, "config": asdict(config), "flops": flops},
+                f"  prefill {length:>6}  {config_name(config)}",
+                run,
+                attempt(run, reps),
+                config is configs[0],
+                functools.partial(prefill_figure, flops),
             )
         whole = whole_prompt(shape, k, v, table, length, dtype)
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -251,7 +275,7 @@ def prefill(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Re
         else:
             print(
                 f"  prefill {length:>6}  SDPA, keys whole, one call: {seconds * 1e3:8.2f} ms"
-                f" {flops / seconds / 1e12:7.1f} TFLOP/s{against(seconds, engine_s)}"
+                f" {flops / seconds / 1e12:7.1f} TFLOP/s{against(seconds, base.seconds)}"
             )
             report.row(kind="prefill", tokens=length, config="sdpa", seconds=seconds, flops=flops)
         del k, v, q, whole
@@ -312,29 +336,19 @@ def decode(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Rep
             tables = torch.randperm(pages).to(torch.int32).reshape(jobs, per_job).to(device)
             q = torch.randn(jobs, shape.heads, shape.head_dim, device=device).to(dtype)
             read = 2 * jobs * keys * shape.kv_heads * shape.head_dim * element
-            engine_s = None
-            engine_out = None
+            base = Baseline()
             configs = attention_configs(dtype)
             for config in configs:
                 meta = ta.plan(tables, list(range(jobs)), [keys] * jobs, shape.heads, shape.kv_heads, config)
                 run = functools.partial(each_layer, q, layers, meta, scale)
-                seconds = attempt(run, reps, calls=len(layers))
-                name = f"  decode {jobs:>2} jobs x {keys:>5} keys  {config_name(config)}"
-                point = {"kind": "decode", "jobs": jobs, "keys": keys, "config": asdict(config)}
-                if isinstance(seconds, str):
-                    print(f"{name}: failed: {seconds}")
-                    report.row(**point, failed=seconds)
-                    continue
-                out = run()
-                if config is configs[0]:
-                    engine_s, engine_out = seconds, out
-                differs = agrees(out, engine_out)
-                print(
-                    f"{name}: {seconds * 1e6:8.1f} us {read / seconds / 1e9:7.1f} GB/s"
-                    f"{against(seconds, engine_s)}{differs}"
-                )
-                report.row(
-                    **point, seconds=seconds, bytes=read, engine=config is configs[0], differs=bool(differs)
+                base.record(
+                    report,
+                    {"kind": "decode", "jobs": jobs, "keys": keys, "config": asdict(config), "bytes": read},
+                    f"  decode {jobs:>2} jobs x {keys:>5} keys  {config_name(config)}",
+                    run,
+                    attempt(run, reps, calls=len(layers)),
+                    config is configs[0],
+                    functools.partial(decode_figure, read),
                 )
             del layers, q
 
