@@ -161,7 +161,7 @@ def plan(
     )
 
 
-def block_keys(page_tokens: int, most: int = BLOCK_N) -> int:
+def block_keys(page_tokens: int, most: int) -> int:
     """Keys per block: at most `most`, a power of two that divides the page (pages hold multiples of 16),
     so a block never straddles two pages; PARTITION is a multiple of it."""
     block = most

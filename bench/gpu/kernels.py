@@ -202,6 +202,7 @@ class Baseline:
 
     seconds: float | None = None
     out: torch.Tensor | None = None
+    what: str = "the engine's"  # what the ratios are of
 
     def record(
         self,
@@ -223,12 +224,16 @@ class Baseline:
         if is_engine:
             self.seconds, self.out = seconds, out
         differs = agrees(out, self.out)
-        print(f"{name}: {figure(seconds)}{against(seconds, self.seconds)}{differs}")
+        print(f"{name}: {figure(seconds)}{against(seconds, self.seconds, self.what)}{differs}")
         report.row(**point, seconds=seconds, engine=is_engine, differs=bool(differs))
 
 
 def prefill_figure(flops: float, seconds: float) -> str:
     return f"{seconds * 1e3:8.2f} ms {flops / seconds / 1e12:7.1f} TFLOP/s"
+
+
+def linear_figure(seconds: float) -> str:
+    return f"{seconds * 1e3:8.3f} ms"
 
 
 def decode_figure(read: int, seconds: float) -> str:
@@ -385,23 +390,19 @@ def linear(shape: Shape, dtype: torch.dtype, device: str, reps: int, report: Rep
             continue
         print(f"  linear {rows:>5} rows  {label}: {cublas * 1e3:8.3f} ms")
         report.row(kind="linear", rows=rows, config=label, seconds=cublas)
-        reference = torch_product()
+        base = Baseline(cublas, torch_product(), what=f"{label}'s")
         for config in LINEAR_CONFIGS:
             invariant = functools.partial(
                 products_of, functools.partial(triton_ops.linear, config=config), pairs
             )
-            seconds = attempt(invariant, reps)
-            name = f"  linear {rows:>5} rows  {config_name(config)}"
-            if isinstance(seconds, str):
-                print(f"{name}: failed: {seconds}")
-                report.row(kind="linear", rows=rows, config=asdict(config), failed=seconds)
-                continue
-            differs = agrees(invariant(), reference)
-            print(
-                f"{name}: {seconds * 1e3:8.3f} ms{against(seconds, cublas, label + chr(39) + 's')}{differs}"
-            )
-            report.row(
-                kind="linear", rows=rows, config=asdict(config), seconds=seconds, differs=bool(differs)
+            base.record(
+                report,
+                {"kind": "linear", "rows": rows, "config": asdict(config)},
+                f"  linear {rows:>5} rows  {config_name(config)}",
+                invariant,
+                attempt(invariant, reps),
+                False,
+                linear_figure,
             )
         del xs
 
