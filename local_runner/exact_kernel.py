@@ -105,8 +105,10 @@ def build(cache_dir: Path) -> str | None:
                 cpp_extension.load(
                     name="attnstore_exact_attention",
                     sources=[str(source) for source in _SOURCES],
-                    # -fopenmp: at::parallel_for's OpenMP region is in a header, compiled here
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                    # -fopenmp: at::parallel_for's OpenMP region is in a header, compiled here.
+                    # -std=c++20: the sources use C++20 (std::type_identity), which torch 2.13's
+                    # cpp_extension passes and older ones do not (they pass c++17; the later flag wins).
+                    extra_cflags=["-std=c++20", "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(folder),
                     is_python_module=False,

@@ -230,9 +230,14 @@ def _per_job(
 
 
 def _joined(pages: torch.Tensor, span: int) -> torch.Tensor:
-    """[n, heads, page_tokens, dim] pages as one [heads, span, dim] run of keys (a copy)."""
+    """[n, heads, page_tokens, dim] pages as one [heads, span, dim] run of keys (a copy). A job's last
+    page may end before `span` (pages smaller than KEY_BLOCK): the run is padded with zeros there, keys
+    the mask hides, so the padded calls always see whole key blocks (exact_attention's rule)."""
     heads, dim = pages.shape[1], pages.shape[3]
-    return pages.transpose(0, 1).reshape(heads, -1, dim)[:, :span]
+    run = pages.transpose(0, 1).reshape(heads, -1, dim)
+    if run.shape[1] < span:
+        run = torch.cat((run, run.new_zeros(heads, span - run.shape[1], dim)), dim=1)
+    return run[:, :span]
 
 
 def packed_attention(

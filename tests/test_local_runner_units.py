@@ -70,6 +70,32 @@ def test_packed_step_equals_each_job_alone(tiny):
             assert torch.allclose(kb, ka, atol=1e-5) and torch.allclose(vb, va, atol=1e-5)
 
 
+def test_the_padded_calls_serve_pages_that_end_before_a_whole_key_block(tiny, monkeypatch):
+    """Without the built kernel (no compiler, or a torch whose cpp_extension could not build it) the exact
+    step's padded calls serve. With 16-token pages a job's pages end before its keys' padded span (a
+    multiple of 64): a decoding job beside a prompt still gets what transformers' forward computes."""
+    from local_runner import exact_kernel
+
+    monkeypatch.setattr(exact_kernel, "ready", lambda head_dim: False)
+    g = torch.Generator().manual_seed(4)
+    history = torch.randint(2, 60, (21,), generator=g).tolist()
+    prompt = torch.randint(2, 60, (37,), generator=g).tolist()
+    pool = PagePool(tiny.layout, tiny.device, 8, 16)
+    decoding, prefilling = JobKV(pool), JobKV(pool)
+    run_packed(tiny, [Work(decoding, history, want_logits=False)], batch_invariant=True)
+    out = run_packed(
+        tiny,
+        [Work(decoding, [7], want_logits=True), Work(prefilling, prompt, want_logits=True)],
+        batch_invariant=True,
+    )
+    reference = _kv(tiny)
+    _feed_alone(tiny, reference, history)
+    expected = [_feed_alone(tiny, reference, [7]), _feed_alone(tiny, _kv(tiny), prompt)]
+    for logits, ref in zip(out, expected, strict=True):
+        assert logits is not None
+        assert torch.allclose(logits.tensor, ref, atol=1e-4), (logits.tensor - ref).abs().max()
+
+
 def test_packed_step_keeps_only_the_logits_asked_for(tiny):
     a, b = _kv(tiny), _kv(tiny)
     out = run_packed(tiny, [Work(a, [3, 4, 5], want_logits=False), Work(b, [6], want_logits=True)])
