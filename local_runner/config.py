@@ -21,7 +21,7 @@ class EngineConfig:
     truncate_on_overflow: bool  # drop the oldest turns of a prompt that does not fit (else refuse)
     decouple: bool  # a truncated turn moves its kept KV to the new positions (exact RoPE only)
     # a job's logits do not depend on what else runs (docs/engine.md, "Batch invariance"); None: where
-    # that was measured to cost little (model_step.invariant_by_default)
+    # that costs little (a CPU; on CUDA as measured on the device: kernel_choice.py)
     batch_invariant: bool | None
     compile: bool  # the packed step compiled (torch.compile), eager until it is ready
     scheduler_aware: bool  # the stores see the queue (prefetch, keep what is about to be used)

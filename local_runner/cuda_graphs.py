@@ -118,7 +118,7 @@ class DecodeGraphs:
             partitions=triton_attention.partitions_of(self.most_keys),
             group=self.stack.heads // self.stack.kv_heads,
             tokens=bucket,
-            config=triton_attention.config_for(self.pool.layout.dtype),
+            config=self.stack.attention,
         )
         group = PoolGroup(
             pool=self.pool,
@@ -132,7 +132,9 @@ class DecodeGraphs:
             pending=[],
             kernel_meta=meta,
         )
-        plan = PackedPlan([], batch_invariant=self.stack.invariant, _groups=[group])
+        plan = PackedPlan(
+            [], batch_invariant=self.stack.invariant, _groups=[group], attention=self.stack.attention
+        )
         return ids, positions, rows, plan
 
     def capture(self) -> None:

@@ -11,6 +11,7 @@ token costs the weights' read and little else.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,17 @@ def _heads(cfg: Any) -> tuple[int, int, int]:
 class CudaStack:
     """The whole forward of a packed step on CUDA (the weights are the model's own tensors: no copy)."""
 
-    def __init__(self, model: Any, *, invariant: bool, max_positions: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        invariant: bool,
+        max_positions: int,
+        attention: triton_attention.AttentionConfig | None = None,
+        linear: triton_ops.LinearConfig | None = None,
+    ) -> None:
+        """`attention`, `linear`: the configs every launch of this model takes (kernel_choice.py: measured
+        on the device); the engine's defaults where None."""
         inner = model.model
         self.heads, self.kv_heads, self.head_dim = _heads(model.config)
         self.embed = inner.embed_tokens.weight
@@ -59,7 +70,11 @@ class CudaStack:
         self.scaling = float(inner.layers[0].self_attn.scaling)
         self.layers = [_layer(layer) for layer in inner.layers]
         self.invariant = invariant
-        self._linear: Linear = triton_ops.linear if invariant else _cublas
+        self.attention = attention or triton_attention.config_for(self.embed.dtype)
+        self.linear_config = linear or triton_ops.ENGINE_LINEAR
+        self._linear: Linear = (
+            functools.partial(triton_ops.linear, config=self.linear_config) if invariant else _cublas
+        )
         # The rotary cache of every position a job may reach, as the model's rotary module computes it.
         positions = torch.arange(max_positions, device=self.embed.device)
         probe = torch.zeros(1, dtype=self.embed.dtype, device=self.embed.device)
@@ -111,6 +126,13 @@ class CudaStack:
                 x = x + down
         last = triton_ops.rms_norm(x.index_select(0, keep), self.norm, self.norm_eps)
         return linear(last, self.head)
+
+
+def layer_products(model: Any) -> list[torch.Tensor]:
+    """The first layer's four product weights [N, K] (q/k/v, o, gate/up, down), as this forward reads
+    them: what the invariant product's config is timed on (kernel_choice.py)."""
+    layer = _layer(model.model.layers[0])
+    return [layer.qkv, layer.o, layer.gate_up, layer.down]
 
 
 def _cublas(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -71,10 +71,15 @@ def machine_key() -> str:
     return f"{platform.machine()}-{digest}"
 
 
+def kernels_folder() -> Path:
+    """The configured cache folder's part for what is built or measured per machine or device."""
+    return _cache_dir / "kernels"
+
+
 def machine_folder() -> Path:
     """The configured cache folder's part for this machine and torch (the built kernel, and what was
     measured of torch's kernels here)."""
-    return _cache_dir / "kernels" / machine_key()
+    return kernels_folder() / machine_key()
 
 
 def build(cache_dir: Path) -> str | None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -18,13 +17,15 @@ from pathlib import Path
 
 import torch
 
-from . import exact_kernel, triton_attention, triton_ops
+from . import exact_kernel, kernel_choice, triton_attention, triton_ops
 from .compiled import CompiledStack, first_line
 from .cuda_graphs import DecodeGraphs
-from .cuda_stack import CudaStack
+from .cuda_stack import CudaStack, layer_products
 from .decoder import DecoderStack
 from .dense import is_rule, make_rows_invariant
 from .job_kv import JobKV
+from .kept import read_kept, write_kept
+from .kernel_choice import KernelChoice
 from .kv_pages import PagePool, cuda_pages
 from .loader import LoadedModel, on_passing_thread, pack_dense
 from .packed_attention import can_pack, use_packed_attention
@@ -54,6 +55,7 @@ class ModelStep:
     context: int = 0  # the most tokens a job holds (the graphs' page tables are this wide)
     max_running: int = 1
     prefill_rate: PrefillRate = field(default_factory=PrefillRate)  # measured on the prompt steps
+    kernels: KernelChoice | None = None  # the CUDA step's kernel configs and how they were chosen
 
     @classmethod
     def prepare(
@@ -72,20 +74,31 @@ class ModelStep:
         """`batch=False`: one forward per job for this model (a benchmark's same-run baseline). `compile`:
         where the model allows, `warm_up` starts compiling the packed step on a thread of its own.
         `max_rows`: the most tokens one step feeds (batch_invariant measures the kernels up to it)."""
-        if batch_invariant is None:
-            batch_invariant = invariant_by_default(lm.device)
         packed = batch and _triton_runs(lm) and _takes_packed_step(lm)
-        pool = _make_pool(
-            lm, slots, context, page_tokens, device_reserve_bytes + _activation_bytes(lm, max_rows, context)
-        )
+        reserve = device_reserve_bytes + _activation_bytes(lm, max_rows, context)
         if lm.device.type == "cuda" and packed:
-            cuda, why_not_cuda = _cuda_stack(lm, batch_invariant, context)
-            if cuda is not None:
-                step = cls(lm, packed, None, pool, batch_invariant, False, cuda=cuda)
+            why_not_cuda = _why_not_cuda_stack(lm)
+            if why_not_cuda is None:
+                # before the pool: the measurement's buffers are given back, the pool takes what is free
+                kernels, invariant = _kernel_choice(
+                    lm, batch_invariant, max_rows, slots, page_tokens, context
+                )
+                pool = _make_pool(lm, slots, context, page_tokens, reserve)
+                cuda = CudaStack(
+                    lm.model,
+                    invariant=invariant,
+                    max_positions=context,
+                    attention=kernels.attention,
+                    linear=kernels.linear,
+                )
+                step = cls(lm, packed, None, pool, invariant, False, cuda=cuda, kernels=kernels)
                 step.context, step.max_running = context, slots
                 step.compile_status = "off (CUDA graphs replay the decode steps)"
                 return step
             log.info("model %s: the CUDA step runs transformers' forward: %s", lm.name, why_not_cuda)
+        if batch_invariant is None:
+            batch_invariant = invariant_by_default(lm.device)
+        pool = _make_pool(lm, slots, context, page_tokens, reserve)
         has_stack = packed and DecoderStack.unfit(lm.model) is None
         why_not = _why_not_compiled(lm, has_stack, batch_invariant) if compile else "off"
         exact_cpu = batch_invariant and packed and lm.device.type == "cpu"
@@ -122,7 +135,7 @@ class ModelStep:
         if self.cuda is not None:
             self._capture_graphs()
             if self.context > triton_attention.PARTITION:  # a row may pass a partition: its merge too
-                triton_attention.warm_long_rows(*self.pool.layer(0), self.cuda.heads)
+                triton_attention.warm_long_rows(*self.pool.layer(0), self.cuda.heads, self.cuda.attention)
         self.warm_up_status = f"done in {time.perf_counter() - started:.1f} s"
         if self.compile_wanted and self.stack is not None:
             self.compile_wanted = False
@@ -196,7 +209,13 @@ class ModelStep:
 
     def _forward(self, work: list[Work]) -> list[RowLogits | None]:
         if self.cuda is not None:
-            return run_packed(self.lm, work, batch_invariant=self.batch_invariant, stack=self.cuda)
+            return run_packed(
+                self.lm,
+                work,
+                batch_invariant=self.batch_invariant,
+                stack=self.cuda,
+                attention=self.cuda.attention,
+            )
         if self.packed:
             stack = self.compiled or self.stack
             return run_packed(self.lm, work, batch_invariant=self.batch_invariant, stack=stack)
@@ -213,6 +232,7 @@ class ModelStep:
             "dense": _dense_kind(self),
             "compiled": self.compile_status,
             "cuda_graphs": self.graphs_status,
+            **({"kernels": self.kernels.describe()} if self.kernels is not None else {}),
             "warm_up": self.warm_up_status,
             "kv_pages": self.pool.pages,
             "page_tokens": self.pool.page_tokens,
@@ -220,14 +240,11 @@ class ModelStep:
         }
 
 
-# Whether `batch_invariant` is on by default on CUDA: where the GPU check measured the invariant step
-# within 15% of the fastest one (docs/benchmarks.md, "On a GPU"); off until then, and /healthz says so.
-CUDA_INVARIANT_BY_DEFAULT = False
-
-
 def invariant_by_default(device: torch.device) -> bool:
-    """batch_invariant's "auto": on a CPU (the exact kernels cost little there), on CUDA as measured."""
-    return device.type != "cuda" or CUDA_INVARIANT_BY_DEFAULT
+    """batch_invariant's "auto" where no measurement decides it: on a CPU (the exact kernels cost little
+    there); off on CUDA where the Triton step does not serve the model (transformers' forward on cuBLAS).
+    Where it serves, the invariant products' cost measured on the device decides (_kernel_choice)."""
+    return device.type != "cuda"
 
 
 def _attention_kind(step: ModelStep) -> str:
@@ -253,16 +270,39 @@ def _dense_kind(step: ModelStep) -> str:
     return step.lm.dense or "as loaded"
 
 
-def _cuda_stack(lm: LoadedModel, batch_invariant: bool, context: int) -> tuple[CudaStack | None, str]:
-    """The CUDA forward for this model, or why not (then transformers' forward runs the packed step)."""
+def _why_not_cuda_stack(lm: LoadedModel) -> str | None:
+    """None when the CUDA forward serves this model, else why not (then transformers' forward runs the
+    packed step)."""
     if not triton_attention.available():
-        return None, "Triton is not installed"
+        return "Triton is not installed"
     if DecoderStack.unfit(lm.model) is not None:
-        return None, f"not a Llama-family decoder: {DecoderStack.unfit(lm.model)}"
-    why = CudaStack.unfit(lm.model)
-    if why is not None:
-        return None, why
-    return CudaStack(lm.model, invariant=batch_invariant, max_positions=context), ""
+        return f"not a Llama-family decoder: {DecoderStack.unfit(lm.model)}"
+    return CudaStack.unfit(lm.model)
+
+
+def _kernel_choice(
+    lm: LoadedModel, batch_invariant: bool | None, max_rows: int, slots: int, page_tokens: int, context: int
+) -> tuple[KernelChoice, bool]:
+    """The CUDA step's kernel configs for this model, measured on this device at its first start and kept
+    (kernel_choice.py), and whether the step is batch-invariant (for "auto": where the invariant products
+    measured within kernel_choice.INVARIANT_COST_BOUND of cuBLAS)."""
+    heads = int(lm.model.config.num_attention_heads)
+    shape = kernel_choice.ModelShape(
+        heads=heads,
+        kv_heads=lm.layout.num_kv_heads,
+        head_dim=lm.layout.head_dim,
+        page_tokens=page_tokens,
+        dtype=lm.dtype,
+        prompt_rows=min(max_rows, kernel_choice.PROMPT_ROWS, context),
+        decode_jobs=min(slots, kernel_choice.DECODE_JOBS),
+        context=context,
+    )
+    folder = exact_kernel.kernels_folder() / kernel_choice.device_key(lm.device)
+    choice, invariant = kernel_choice.choose(
+        shape, lm.device, invariant=batch_invariant, weights=layer_products(lm.model), folder=folder
+    )
+    log.info("model %s: kernels %s", lm.name, choice.describe())
+    return choice, invariant
 
 
 def _why_not_compiled(lm: LoadedModel, has_stack: bool, batch_invariant: bool) -> str | None:
@@ -339,7 +379,7 @@ def _make_rows_invariant(lm: LoadedModel, max_rows: int) -> None:
     (loader.on_passing_thread says why: on the engine's thread it would slow every later step)."""
     if lm.rows_invariant is None:
         path = rows_file(lm.dtype, max_rows) if lm.device.type == "cpu" else None  # a GPU: every start
-        measured = _read_rows(path) if path is not None else {}
+        measured = (read_kept(path, _valid_rows) or {}) if path is not None else {}
         before = dict(measured)
         lm.rows_invariant = on_passing_thread(
             make_rows_invariant, lm.model, lm.dtype, lm.device, max_rows, measured=measured
@@ -347,7 +387,7 @@ def _make_rows_invariant(lm: LoadedModel, max_rows: int) -> None:
         if not lm.rows_invariant:
             log.warning("model %s: batch_invariant: a linear layer still depends on the batch here", lm.name)
         elif path is not None and measured != before:
-            _write_rows(path, measured)
+            write_kept(path, measured)
 
 
 # Environment variables that change which kernels torch's products run (and so how they round).
@@ -372,35 +412,8 @@ def rows_file(dtype: torch.dtype, max_rows: int) -> Path:
     return exact_kernel.machine_folder() / name
 
 
-def _read_rows(path: Path) -> dict[str, str]:
-    """The kept measurement, or nothing (missing, unreadable or malformed: measured again, rewritten)."""
-    try:
-        data = json.loads(path.read_text())
-        if isinstance(data, dict) and all(isinstance(k, str) and is_rule(v) for k, v in data.items()):
-            return data
-        log.warning("%s is malformed: measuring again", path)
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError) as exc:
-        log.warning("%s unreadable (%s): measuring again", path, exc)
-    return {}
-
-
-def _write_rows(path: Path, measured: dict[str, str]) -> None:
-    """Write atomically (a crash leaves the old file or none); a failure costs the next start a measurement.
-    The files of the same dtype, threads and rows under older digests (another dense.py, other ISA
-    caps) go: at worst a start under those caps measures again."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(measured, sort_keys=True))
-        os.replace(temporary, path)
-        stem = path.name.rsplit("-", 1)[0]
-        for stale in path.parent.glob(f"{stem}-*.json"):
-            if stale != path:
-                stale.unlink(missing_ok=True)
-    except OSError as exc:
-        log.warning("could not keep the rows measured in %s: %s", path, exc)
+def _valid_rows(data: object) -> bool:
+    return isinstance(data, dict) and all(isinstance(k, str) and is_rule(v) for k, v in data.items())
 
 
 def _make_pool(lm: LoadedModel, jobs: int, context: int, page_tokens: int, reserve_bytes: int) -> PagePool:

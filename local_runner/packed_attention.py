@@ -81,6 +81,8 @@ class PackedPlan:
     _groups: list[PoolGroup] | None = None
     # exact_attention's masks of this step (the same for every layer), by the key their maker gives
     exact_biases: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+    # The paged kernel's config on CUDA (the model's, kernel_choice.py); None: the engine's default
+    attention: triton_attention.AttentionConfig | None = None
 
     def groups(self, device: torch.device) -> list[PoolGroup]:
         if self._groups is None:
@@ -169,7 +171,7 @@ def _attend_group(
                 g.host_lengths,
                 query.shape[1],
                 key.shape[1],
-                triton_attention.config_for(query.dtype),
+                plan.attention or triton_attention.config_for(query.dtype),
             )
         return triton_attention.attend(query, k_pages, v_pages, g.kernel_meta, scaling)
     return _per_job(plan, g, query, k_pages, v_pages, scaling)

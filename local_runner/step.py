@@ -16,6 +16,7 @@ from .kv_cache import job_cache
 from .loader import LoadedModel
 from .packed_attention import PLAN_KWARG, PackedPlan, Segment
 from .sampling import RowLogits, StepLogits
+from .triton_attention import AttentionConfig
 
 
 class PackedForward(Protocol):
@@ -37,11 +38,17 @@ class Work:
 
 @torch.inference_mode()
 def run_packed(
-    lm: LoadedModel, work: list[Work], *, batch_invariant: bool = False, stack: PackedForward | None = None
+    lm: LoadedModel,
+    work: list[Work],
+    *,
+    batch_invariant: bool = False,
+    stack: PackedForward | None = None,
+    attention: AttentionConfig | None = None,
 ) -> list[RowLogits | None]:
     """All jobs' new tokens as one sequence, each at its own positions; decoding jobs attend in one
     batched call per layer (or each alone with `batch_invariant`), see packed_attention. With `stack`
-    the forward is decoder.py's loop over the model's modules, else the transformers forward."""
+    the forward is decoder.py's loop over the model's modules, else the transformers forward.
+    `attention`: the paged kernel's config on CUDA (the engine's default where None)."""
     # Decoding jobs first, oldest first, then prompt chunks: a decode-only step's layout then depends on
     # its jobs alone (the CUDA step replays one graph per batch size for it).
     order = sorted(range(len(work)), key=lambda i: (len(work[i].tokens) > 1, work[i].kv.id))
@@ -58,7 +65,7 @@ def run_packed(
         if w.want_logits:
             keep.append(len(ids) - 1)
     dev = lm.device
-    plan = PackedPlan(segments, batch_invariant)
+    plan = PackedPlan(segments, batch_invariant, attention=attention)
     ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
     positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
     keep_t = torch.tensor(keep, dtype=torch.long, device=dev)

@@ -46,10 +46,10 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """A launch's tiles and pipeline. One config serves every launch of a process: a row's sums follow
+    """A launch's tiles and pipeline. One config serves every launch of a model: a row's sums follow
     the layout the tiles and warps give, so launches with two configs could round one row two ways.
-    The defaults are the engine's; bench/gpu/kernels.py times other configs on a device, which is how
-    a default is chosen (docs/engine.md, "On CUDA")."""
+    The defaults are the engine's first guesses; at a model's first start on a device the engine times
+    them against the alternatives and keeps the fastest (kernel_choice.py)."""
 
     block_m: int = BLOCK_M  # query rows per work item
     block_n: int = BLOCK_N  # keys per block at most (block_keys)
@@ -113,7 +113,7 @@ class KernelPlan:
     partitions: int  # the most partitions any row has
     group: int
     tokens: int
-    config: AttentionConfig  # config_for(the model's dtype): one for every launch of a process
+    config: AttentionConfig  # the model's (kernel_choice.py): one for every launch of a model
 
 
 def plan(
@@ -254,7 +254,9 @@ def attend(
     return out
 
 
-def warm_long_rows(k_pages: torch.Tensor, v_pages: torch.Tensor, heads: int) -> None:
+def warm_long_rows(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, heads: int, config: AttentionConfig | None = None
+) -> None:
     """Run `attend` once on one row of PARTITION + 1 keys whose every page is page 0 of this layer (only
     read), so that the merge kernel is compiled at start. The warm-up's steps are short; without this the
     first row past a partition would wait for the merge's compile on the serving thread."""
@@ -262,7 +264,8 @@ def warm_long_rows(k_pages: torch.Tensor, v_pages: torch.Tensor, heads: int) -> 
     length = PARTITION + 1
     tables = torch.zeros(1, -(-length // page_tokens), dtype=torch.int32, device=k_pages.device)
     q = torch.zeros(1, heads, dim, dtype=k_pages.dtype, device=k_pages.device)
-    attend(q, k_pages, v_pages, plan(tables, [0], [length], heads, kv_heads, config_for(q.dtype)), 1.0)
+    config = config or config_for(q.dtype)
+    attend(q, k_pages, v_pages, plan(tables, [0], [length], heads, kv_heads, config), 1.0)
 
 
 def _attention_kernel(

@@ -35,9 +35,10 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 @dataclass(frozen=True)
 class LinearConfig:
-    """The invariant product's tile and pipeline: one for every call of a process (see the module
+    """The invariant product's tile and pipeline: one for every call of a model (see the module
     docstring; a row's sums over K follow BLOCK_K and the MMA shape the tile gives). The defaults are
-    the engine's; bench/gpu/kernels.py times other configs against cuBLAS on a device."""
+    the engine's first guess; at a model's first start on a device the engine times the alternatives
+    against cuBLAS and keeps the fastest (kernel_choice.py)."""
 
     block_m: int = 64
     block_n: int = 64

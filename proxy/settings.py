@@ -181,9 +181,10 @@ class EmbeddedRunnerSettings(RunnerSettings, tag=DEFAULT_ENGINE):
     # A job's tokens do not depend on which other jobs share its steps, and reused KV equals a recompute
     # bit for bit, in every dtype (docs/engine.md, "Batch invariance"): on a CPU the exact kernels and
     # linear layers measured row-invariant at start; on CUDA Triton kernels of one tile shape for every
-    # batch. "auto": on where it was measured to cost little (the CPU; CUDA per
-    # local_runner/model_step.py's CUDA_INVARIANT_BY_DEFAULT); false: kernels whose rounding depends on
-    # the batch (cuBLAS on CUDA; on a CPU oneDNN's, and allows `compile`).
+    # batch. "auto": on where it costs little: on a CPU; on CUDA where the invariant products measured
+    # at the first start on this device are within 15% of cuBLAS (local_runner/kernel_choice.py);
+    # false: kernels whose rounding depends on the batch (cuBLAS on CUDA; on a CPU oneDNN's, and allows
+    # `compile`).
     batch_invariant: Literal["auto"] | bool = "auto"
     # Compile the packed step (torch.compile with inductor) when the engine starts, on a thread of its own
     # (turns run uncompiled meanwhile, and round differently from the compiled step; what it costs:

@@ -6,6 +6,7 @@ place in the array, so there the rows are held to a float32 rounding, not to the
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 
@@ -14,6 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from local_runner import kernel_choice  # noqa: E402
 from local_runner import triton_attention as ta  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -25,10 +27,10 @@ def _pool(pages: int, kv_heads: int, page_tokens: int, dim: int, dtype: torch.dt
     return buf[:, 0], buf[:, 1]
 
 
-def _run(q, k, v, tables, jobs, lengths, heads, kv_heads, scale):
+def _run(q, k, v, tables, jobs, lengths, heads, kv_heads, scale, config=None):
     device = q.device
     table = torch.tensor(tables, dtype=torch.int32, device=device)
-    meta = ta.plan(table, jobs, lengths, heads, kv_heads, ta.config_for(q.dtype))
+    meta = ta.plan(table, jobs, lengths, heads, kv_heads, config or ta.config_for(q.dtype))
     return ta.attend(q, k, v, meta, scale)
 
 
@@ -53,9 +55,16 @@ def test_paged_attention_matches_a_reference(dtype, heads, kv_heads, dim, monkey
     assert torch.allclose(out.float().cpu(), want, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_row_is_the_same_alone_and_in_any_company(dtype, monkeypatch):
-    """A prompt chunk's tokens, each against the same token decoded alone, and beside other jobs."""
+# Every config the engine may launch with (kernel_choice.py picks one per model and device).
+CONFIGS = [(dtype, config) for dtype in DTYPES for config in kernel_choice.attention_candidates(dtype)]
+
+
+@pytest.mark.parametrize(
+    "dtype,config", CONFIGS, ids=[f"{d}-{kernel_choice.config_name(c)}" for d, c in CONFIGS]
+)
+def test_a_row_is_the_same_alone_and_in_any_company(dtype, config, monkeypatch):
+    """A prompt chunk's tokens, each against the same token decoded alone, and beside other jobs, in
+    every candidate config: whichever the device's measurement picks keeps reuse equal to recompute."""
     monkeypatch.setattr(ta, "PARTITION", 128)
     device = "cuda" if CUDA else "cpu"
     heads, kv_heads, dim, page_tokens = 6, 2, 64, 64
@@ -63,14 +72,15 @@ def test_a_row_is_the_same_alone_and_in_any_company(dtype, monkeypatch):
     table = [2, 6, 4, 8]
     start, n = 100, 40  # a chunk at positions 100..139: rows straddle the partition boundary at 128
     q = torch.randn(n, heads, dim).to(dtype).to(device)
-    chunk = _run(q, k, v, [table], [0] * n, list(range(start + 1, start + n + 1)), heads, kv_heads, 0.125)
+    run = functools.partial(_run, config=config)
+    chunk = run(q, k, v, [table], [0] * n, list(range(start + 1, start + n + 1)), heads, kv_heads, 0.125)
     other = torch.randn(3, heads, dim).to(dtype).to(device)
     for i in random.Random(0).sample(range(n), 8):
-        alone = _run(q[i : i + 1], k, v, [table], [0], [start + i + 1], heads, kv_heads, 0.125)
+        alone = run(q[i : i + 1], k, v, [table], [0], [start + i + 1], heads, kv_heads, 0.125)
         _assert_same(alone[0], chunk[i], f"token {i}")
         # beside two other jobs' tokens, at another row of the step
         mixed_q = torch.cat((other[:2], q[i : i + 1], other[2:]))
-        mixed = _run(
+        mixed = run(
             mixed_q,
             k,
             v,

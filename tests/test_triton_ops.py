@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from local_runner import triton_ops  # noqa: E402
+from local_runner import kernel_choice, triton_ops  # noqa: E402
 from local_runner.decoder import _rms_norm, _rotate  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -57,17 +57,19 @@ def test_silu_mul_is_torchs(dtype):
     torch.testing.assert_close(triton_ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("config", kernel_choice.LINEAR_CANDIDATES, ids=kernel_choice.config_name)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32] + ([torch.bfloat16] if CUDA else []))
-def test_the_invariant_product_is_a_product_whatever_the_row_count(dtype):
+def test_the_invariant_product_is_a_product_whatever_the_row_count(dtype, config):
+    """In every candidate config (kernel_choice.py picks one per model and device)."""
     w = _rand(200, 160, dtype=dtype, seed=3)
     x = _rand(70, 160, dtype=dtype, seed=4)
-    whole = triton_ops.linear(x, w)
+    whole = triton_ops.linear(x, w, config)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(
         whole.float(), (x.float() @ w.float().T).to(dtype).float(), atol=tolerance, rtol=tolerance
     )
     for rows in (1, 3, 17):
-        part = triton_ops.linear(x[:rows].contiguous(), w)
+        part = triton_ops.linear(x[:rows].contiguous(), w, config)
         if CUDA:
             assert torch.equal(part, whole[:rows]), rows
         else:

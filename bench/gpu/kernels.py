@@ -26,7 +26,6 @@ import functools
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -39,8 +38,8 @@ if not CUDA:  # before Triton's kernels are decorated (at first use)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench.gpu.configs import LINEAR_CONFIGS, attention_configs  # noqa: E402
+from local_runner import kernel_choice, triton_ops  # noqa: E402
 from local_runner import triton_attention as ta  # noqa: E402
-from local_runner import triton_ops  # noqa: E402
 from local_runner.compiled import first_line  # noqa: E402
 
 
@@ -68,36 +67,8 @@ SHAPES = {
 
 
 def timed(fn: Callable[[], Any], reps: int, calls: int = 1) -> float:
-    """Seconds of one of the `calls` calls `fn` makes, the median of `reps` after one untimed run
-    (Triton compiles at the first). On CUDA `fn` is captured in a CUDA graph and replayed, as the
-    engine replays its decode steps: a launch from Python costs tens of microseconds, which a decode
-    step's kernels would otherwise be timed by (eagerly where the capture fails)."""
-    fn()
-    run = fn
-    if CUDA:
-        torch.cuda.synchronize()
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            run = graph.replay
-        except Exception:  # a capture this torch or kernel does not allow: timed eagerly
-            torch.cuda.synchronize()
-        run()
-    times = []
-    for _ in range(reps):
-        if CUDA:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        else:
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) / calls
+    """The engine's own timing of a config (a CUDA graph's replays, the median of `reps`)."""
+    return kernel_choice.timed(fn, calls, reps)
 
 
 def against(seconds: float, reference: float | None, what: str = "the engine's") -> str:

@@ -50,7 +50,7 @@ MEMORY_TEST=tests/test_kvtier_cuda.py::test_device_memory_falls_by_what_is_held
 if has tests; then  # the CUDA tests, beside the models' build (both are short of the device)
   el cuda-tests-start
   (timeout "$(lim 200)" $PY -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_ops.py \
-    tests/test_kvtier_cuda.py tests/test_kvtier.py tests/test_reuse_policy.py tests/test_cuda_step.py \
+    tests/test_kvtier_cuda.py tests/test_kvtier.py tests/test_reuse_policy.py tests/test_cuda_step.py tests/test_kernel_choice.py \
     --deselect "$MEMORY_TEST" > "$OUT/pytest.txt" 2>&1; echo "pytest rc $?" >> "$OUT/pytest.txt") & TP=$!
 fi
 if has models; then
@@ -72,7 +72,7 @@ serve() {  # serve PHASE MODEL TAG
   $PY -m proxy serve --settings "$OUT/settings-$3.json" --port "$PORT" >> "$OUT/serve.log" 2>&1 & SP=$!
 }
 stop() { kill $SP 2>/dev/null; for _ in 1 2 3 4 5; do kill -0 $SP 2>/dev/null || break; sleep 1; done; kill -9 $SP 2>/dev/null; sleep 1; rm -rf /tmp/attnstore-kv-"$PORT"-*; }
-health() { $PY -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read()[:1500].decode(errors='replace'))" "http://127.0.0.1:$PORT/healthz" || echo "no /healthz"; }
+health() { $PY -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read()[:3000].decode(errors='replace'))" "http://127.0.0.1:$PORT/healthz" || echo "no /healthz"; }
 # ready SECONDS: the server warmed up (so nothing times the start), or why not: it died (its log's end
 # printed at once, not after the drive's limit) or is too slow; the phase's drive is skipped then
 ready() { timeout "$(( $(lim "$1") + 10 ))" $PY -m bench.gpu.ready --url "http://127.0.0.1:$PORT" --pid "$SP" --limit "$(lim "$1")" --log "$OUT/serve.log"; }
@@ -80,7 +80,7 @@ drive() { timeout "$(lim "$1")" $PY bench/gpu/drive.py --base "http://127.0.0.1:
 if has perf; then
   el speed-8b-shape
   serve perf ${PERF_MODEL:-m8b} perf
-  if ready 120; then
+  if ready 240; then  # the first start on a device also measures the model's kernel configs
     drive 240 --model ${PERF_MODEL:-m8b} --phase perf --out "$OUT/perf.jsonl" --lengths ${LENGTHS:-1000,4000,8000,16000,22000,30000} --streams ${STREAMS:-1,8,32} --decode ${DECODE:-128}
     health; $PY bench/gpu/drive.py --summarize "$OUT/perf.jsonl"
   fi
