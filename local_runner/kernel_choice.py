@@ -11,7 +11,8 @@ first start did, at no cost.
 - **Attention**: the candidates for the model's dtype, timed at three steps: a prompt step from key 0,
   a decode batch at DECODE_KEYS keys, one job decoding at LONG_KEYS keys (its pool copied past the L2,
   as each layer's keys are read once a step). The default stays unless one that ran and agreed with it
-  at every step is faster by MARGIN (the geometric mean of its ratios to the default).
+  at every step is faster by MARGIN (the geometric mean of its ratios to the default, the prompt step
+  weighing as much as the two decode steps together: time to a first token and time per token alike).
 - **The invariant product** (`batch_invariant`'s triton_ops.linear), where batch invariance is on or
   "auto": the candidates timed at the layer's four products (the model's own weights) at 1 row, a
   decode batch's rows and a prompt step's, against cuBLAS; the least geometric mean wins. "auto" turns
@@ -75,10 +76,10 @@ _ATTENTION_16BIT = (
     ta.AttentionConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
     ta.AttentionConfig(block_n=16, num_warps=8),
 )
-_ATTENTION_FLOAT32 = (
-    ta.AttentionConfig(block_n=16, num_warps=4),
-    ta.AttentionConfig(block_m=32, block_n=16, num_warps=4),
+_ATTENTION_FLOAT32 = (  # each spill-free for sm_90 (python -m bench.gpu.triton_aot --dtype float32)
     ta.AttentionConfig(block_n=16, num_warps=8, num_stages=3),
+    ta.AttentionConfig(block_m=32, block_n=16, num_warps=8),
+    ta.AttentionConfig(block_m=32, block_n=16, num_warps=4, num_stages=3),
 )
 LINEAR_CANDIDATES = (
     triton_ops.ENGINE_LINEAR,
@@ -315,11 +316,13 @@ def _valid_kept(kind: type, data: Any) -> bool:
 
 @dataclass
 class _Point:
-    """One timed step: `run(config)` makes the call for a config, `calls` the launches one run makes."""
+    """One timed step: `run(config)` makes the call for a config, `calls` the launches one run makes,
+    `weight` its share of the score (prompt steps and decode steps count alike)."""
 
     name: str
     run: Callable[[Any], Callable[[], Any]]
     calls: int = 1
+    weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -378,20 +381,23 @@ def _fastest(
         ratios[index] = [s / b for s, b in zip(seconds, base_seconds, strict=True)]
     if not ratios:
         raise RuntimeError("no candidate ran and agreed: " + "; ".join(left_out))
-    best = min(ratios, key=lambda i: _geomean(ratios[i]))
-    kept_first = margin is not None and best != 0 and 0 in ratios and _geomean(ratios[best]) > margin
-    text = f"x{_geomean(ratios[best]):.2f} (worst x{max(ratios[best]):.2f})"
+    weights = [p.weight for p in points]
+    score = {i: _geomean(r, weights) for i, r in ratios.items()}
+    best = min(score, key=score.__getitem__)
+    kept_first = margin is not None and best != 0 and 0 in ratios and score[best] > margin
+    text = f"x{score[best]:.2f} (worst x{max(ratios[best]):.2f})"
     if kept_first:
         text = f"the fastest, {config_name(candidates[best])}, {text}: within x{margin} of the default, kept"
         best = 0
     text += f" over {', '.join(p.name for p in points)}; {len(ratios)} of {len(candidates)} candidates ran"
     if left_out:
         text += " (left out: " + "; ".join(left_out) + ")"
-    return candidates[best], _Outcome(_geomean(ratios[best]), max(ratios[best]), text)
+    return candidates[best], _Outcome(score[best], max(ratios[best]), text)
 
 
-def _geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
+def _geomean(values: list[float], weights: list[float]) -> float:
+    """The weighted geometric mean."""
+    return math.exp(sum(w * math.log(v) for v, w in zip(values, weights, strict=True)) / sum(weights))
 
 
 Output = torch.Tensor | tuple[torch.Tensor, ...]
@@ -432,6 +438,7 @@ def _attention_points(shape: ModelShape, device: torch.device) -> list[_Point]:
         _Point(
             f"{jobs} jobs decoding at {keys} keys",
             functools.partial(_attend, shape, q, [(k, v)], tables, list(range(jobs)), [keys] * jobs, scale),
+            weight=0.5,
         )
     )
     keys = min(LONG_KEYS, shape.context)
@@ -447,6 +454,7 @@ def _attention_points(shape: ModelShape, device: torch.device) -> list[_Point]:
             f"1 job decoding at {keys} keys",
             functools.partial(_attend, shape, q, layers, table, [0], [keys], scale),
             calls=len(layers),
+            weight=0.5,
         )
     )
     return points
@@ -494,11 +502,12 @@ def _random(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 def _linear_points(shape: ModelShape, device: torch.device, weights: Sequence[torch.Tensor]) -> list[_Point]:
     """The layer's products at 1 row, a decode batch's rows and a prompt step's."""
     points = []
-    for rows in sorted({1, shape.decode_jobs, shape.prompt_rows}):
+    decode = sorted({1, shape.decode_jobs} - {shape.prompt_rows})
+    for rows in [*decode, shape.prompt_rows]:  # the decode steps weigh as much as the prompt step
         xs = [_random((rows, int(w.shape[1])), shape.dtype, device) for w in weights]
-        points.append(
-            _Point(f"{rows} rows", functools.partial(_products, list(zip(xs, weights, strict=True))))
-        )
+        run = functools.partial(_products, list(zip(xs, weights, strict=True)))
+        weight = 1.0 / len(decode) if rows != shape.prompt_rows else 1.0
+        points.append(_Point(f"{rows} rows", run, weight=weight))
     return points
 
 
