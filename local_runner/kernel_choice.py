@@ -265,7 +265,6 @@ def _chosen_attention(
     finally:
         _free(device)
     text = f"measured in {time.perf_counter() - started:.1f} s: {how.text}"
-    log.info("model kernels: attention %s (%s)", config_name(best), text)
     if path is not None:
         write_kept(path, {"config": asdict(best), "how": text})
     return best, text
@@ -294,7 +293,6 @@ def _chosen_linear(
     finally:
         _free(device)
     text = f"measured in {time.perf_counter() - started:.1f} s, against cuBLAS: {how.text}"
-    log.info("model kernels: invariant product %s (%s)", config_name(best), text)
     if path is not None:
         write_kept(path, {"config": asdict(best), "how": text, "cost": how.worst})
     return best, text, how.worst
