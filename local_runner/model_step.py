@@ -30,6 +30,7 @@ from .kv_pages import PagePool, cuda_pages
 from .loader import LoadedModel, on_passing_thread, pack_dense
 from .packed_attention import can_pack, use_packed_attention
 from .reuse_policy import MIN_MEASURED_TOKENS, PrefillRate
+from .rope_config import varying_rope
 from .sampling import RowLogits
 from .step import Work, run_packed, run_per_job
 
@@ -354,7 +355,7 @@ def _triton_runs(lm: LoadedModel) -> bool:
 
 def _takes_packed_step(lm: LoadedModel) -> bool:
     """Llama-style decoders take the packed (batched) step; any other model runs one job per forward."""
-    reason = can_pack(lm.model.config)
+    reason = can_pack(lm.model.config) or varying_rope(lm.model)
     if reason is None:
         use_packed_attention(lm.model)
         return True

@@ -35,11 +35,11 @@ def rope_shift_for(model: Any) -> RopeShift | str:
     rotary = _rotary_module(model)
     if rotary is None:
         return f"model type {model_type!r}: no rotary embedding module found"
-    rope_type = getattr(rotary, "rope_type", "default")
-    if not isinstance(rope_type, str):  # per-layer-type RoPE (sliding/full): not one rotation
+    if not isinstance(getattr(rotary, "rope_type", "default"), str):  # per-layer-type RoPE (sliding/full)
         return f"model type {model_type!r}: RoPE differs per layer type"
-    if rope_type not in SHIFTABLE_ROPE_TYPES:
-        return f"rope type {rope_type!r} changes its frequencies with the sequence length"
+    varying = varying_rope(model)
+    if varying is not None:
+        return varying
     inv_freq = getattr(rotary, "original_inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor):
         inv_freq = rotary.inv_freq
@@ -48,6 +48,18 @@ def rope_shift_for(model: Any) -> RopeShift | str:
     if 2 * inv_freq.numel() > head_dim:
         return f"rotary dim {2 * inv_freq.numel()} exceeds the head dim {head_dim}"
     return RopeShift(inv_freq.detach().to("cpu", torch.float32).clone(), model_type in INTERLEAVED_MODELS)
+
+
+def varying_rope(model: Any) -> str | None:
+    """Why the model's RoPE frequencies depend on the sequence length (dynamic NTK, longrope: transformers
+    scales them by the largest position of the call), or None where they are fixed or there is no RoPE.
+    A packed step puts many jobs' positions in one call, and the CUDA forward computes its rotary cache
+    once for every position: either would rotate a job's keys by what the other jobs' lengths say."""
+    rotary = _rotary_module(model)
+    rope_type = getattr(rotary, "rope_type", "default") if rotary is not None else "default"
+    if isinstance(rope_type, str) and rope_type not in SHIFTABLE_ROPE_TYPES:
+        return f"rope type {rope_type!r} changes its frequencies with the sequence length"
+    return None
 
 
 def _rotary_module(model: Any) -> Any:

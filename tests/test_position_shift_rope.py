@@ -225,3 +225,30 @@ def test_shifted_kv_moves_every_layer_like_a_rotation(monkeypatch, ready, batch_
     pages, offsets = kv.token_slots(0, 48)
     keep = [pages[t] for t in untouched], [offsets[t] for t in untouched]
     assert torch.equal(buf[:, keep[0], :, :, keep[1]], before[:, keep[0], :, :, keep[1]])
+
+
+@pytest.mark.parametrize("rope_type", ["default", "dynamic"])
+def test_a_rope_that_varies_with_the_length_takes_no_packed_step(rope_type):
+    """A packed step puts every job's positions in one call, and transformers scales dynamic NTK by the
+    call's largest position: a job's keys would rotate by the others' lengths. Such a model runs one job
+    per forward; a fixed RoPE packs."""
+    from local_runner.model_step import ModelStep
+    from local_runner.rope_config import varying_rope
+    from tests.tiny_model import tiny_loaded
+
+    rope = {"rope_theta": 10000.0, "rope_type": rope_type}
+    if rope_type == "dynamic":
+        rope["factor"] = 2.0
+    model = tiny("llama", rope, {}).float()
+    assert (varying_rope(model) is not None) == (rope_type == "dynamic")
+    step = ModelStep.prepare(
+        tiny_loaded(model=model),
+        slots=2,
+        context=64,
+        batch=True,
+        batch_invariant=False,
+        compile=False,
+        max_rows=64,
+    )
+    assert step.packed == (rope_type == "default")
+    step.pool.close()
