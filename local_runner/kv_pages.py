@@ -112,6 +112,11 @@ class PagePool:
         """The whole pool, [layers, pages, 2, kv_heads, page_tokens, head_dim]."""
         return self._ensure()
 
+    def take_memory(self) -> None:
+        """Allocate the buffer now rather than at the first job's pages: on CUDA, before another pool or
+        measurement reads what the device has free."""
+        self._ensure()
+
     def layer(self, i: int) -> KV:
         """Layer i's K and V of every page, [pages, kv_heads, page_tokens, head_dim] each (strided views)."""
         buf = self._ensure()

@@ -435,6 +435,9 @@ def _make_pool(lm: LoadedModel, jobs: int, context: int, page_tokens: int, reser
                 fit * page_tokens * lm.layout.bytes_per_token / 1e9,
             )
         pages = fit
+        pool = PagePool(lm.layout, lm.device, pages, page_tokens)
+        pool.take_memory()  # now: the next model's pool is sized from what this one leaves free
+        return pool
     return PagePool(lm.layout, lm.device, pages, page_tokens)
 
 
