@@ -52,7 +52,7 @@ from .job_kv import JobKV
 from .job_state import JobState, Status
 from .jobs import Job, Outbox
 from .kv_pages import DEFAULT_PAGE_TOKENS
-from .loader import LoadedModel
+from .loader import LoadedModel, on_model_device
 from .memory_guard import MemoryGuard
 from .model_step import ModelStep
 from .realign import ShiftStats
@@ -118,20 +118,20 @@ class EmbeddedEngine:
                     log.info("model %s: truncated turns recompute (no position shift): %s", name, rope)
         self.counters = EngineCounters()
         self.grammars = {name: Grammars(lm) for name, lm in self.models.items()}
-        self.steps = {
-            name: ModelStep.prepare(
-                lm,
-                slots=config.max_running,
-                context=self._context_cap(lm),
-                page_tokens=self._page_tokens(name),
-                device_reserve_bytes=config.device_reserve_bytes,
-                batch=config.batch,
-                batch_invariant=config.batch_invariant,
-                compile=config.compile,
-                max_rows=config.max_step_rows,
-            )
-            for name, lm in self.models.items()
-        }
+        self.steps: dict[str, ModelStep] = {}
+        for name, lm in self.models.items():
+            with on_model_device(lm.device):  # the kernel choice's launches go to the model's GPU
+                self.steps[name] = ModelStep.prepare(
+                    lm,
+                    slots=config.max_running,
+                    context=self._context_cap(lm),
+                    page_tokens=self._page_tokens(name),
+                    device_reserve_bytes=config.device_reserve_bytes,
+                    batch=config.batch,
+                    batch_invariant=config.batch_invariant,
+                    compile=config.compile,
+                    max_rows=config.max_step_rows,
+                )
         self.pools = {name: step.pool for name, step in self.steps.items()}
         # Prompt chunks cut where a job alone would cut them when any model's step is invariant.
         invariant = any(step.batch_invariant for step in self.steps.values())
@@ -185,6 +185,12 @@ class EmbeddedEngine:
 
     def _serve(self) -> None:
         """The worker's thread: every step warmed up once, then a step while there is work."""
+        for lm in self.models.values():  # one device for every model (local_runner.device)
+            if lm.device.type == "cuda" and lm.device.index is not None:
+                # Triton launches, and torch captures CUDA graphs, on the thread's current device, not
+                # the tensors': a thread starts on GPU 0
+                torch.cuda.set_device(lm.device)
+                break
         for step in self.steps.values():
             try:
                 step.warm_up(step.forward)

@@ -5,6 +5,7 @@ packed step (fused projections), with what the KV store needs to key and shape i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -72,7 +73,18 @@ def pick_device(device: str) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ModelLoadError(
+            f"device {device!r} asked for, but this machine shows {torch.cuda.device_count()} GPUs"
+        )
     return dev
+
+
+def on_model_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The calling thread's current CUDA device set to `device` for the block (nothing on a CPU): Triton
+    launches its kernels, and torch captures CUDA graphs and times events, on the thread's current device,
+    whatever device the tensors are on."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def pick_dtype(dtype: str, device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
