@@ -196,18 +196,30 @@ def device_key(device: torch.device) -> str:
     return f"cuda-{name}-sm{major}{minor}-{digest}"
 
 
-def _kept_path(folder: Path, what: str, shape: ModelShape, candidates: Sequence[Any]) -> Path:
-    """The file of one measurement: its name says what and for which dtype; its digest covers the shape,
-    the candidates and the kernels' and this module's sources (a changed kernel is measured again)."""
+def _kept_path(
+    folder: Path, what: str, shape: ModelShape, candidates: Sequence[Any], products: str = ""
+) -> Path:
+    """The file of one measurement: its name says what and for which dtype and heads (and `products`, the
+    invariant product's weight shapes: two models of the same heads keep a file each, write_kept
+    replacing only a file of the same name); its digest covers the shape, the candidates and the
+    kernels' and this module's sources (a changed kernel is measured again)."""
     digest = hashlib.sha256(f"{shape.describe()}|{[asdict(c) for c in candidates]}".encode())
     for module in (ta, triton_ops):
         digest.update(Path(module.__file__ or "").read_bytes())
     digest.update(Path(__file__).read_bytes())
     dtype = str(shape.dtype).removeprefix("torch.")
+    tag = f"-{products}" if products else ""
     return (
         folder
-        / f"{what}-{dtype}-{shape.heads}x{shape.kv_heads}x{shape.head_dim}-{digest.hexdigest()[:10]}.json"
+        / f"{what}-{dtype}-{shape.heads}x{shape.kv_heads}x{shape.head_dim}{tag}-{digest.hexdigest()[:10]}.json"
     )
+
+
+def _products_tag(weights: Sequence[torch.Tensor]) -> str:
+    """The layer's products' shapes, short: what the invariant product's timings depend on beyond the
+    heads (the hidden and intermediate sizes)."""
+    shapes = ",".join("x".join(map(str, w.shape)) for w in weights)
+    return hashlib.sha256(shapes.encode()).hexdigest()[:8]
 
 
 def choose(
@@ -226,14 +238,15 @@ def choose(
     ("auto") whether the invariant products measured within INVARIANT_COST_BOUND of cuBLAS.
     `weights`: the layer's products' weights [N, K] (the model's own), for the invariant product."""
     candidates = tuple(attention or attention_candidates(shape.dtype))
+    started = time.perf_counter()  # BUDGET_S bounds both measurements together: the start waits for them
     # the timings' graphs, events and launches on the model's device, whichever is current
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with on_device:
-        att, att_how = _chosen_attention(shape, device, folder, timer, candidates)
+        att, att_how = _chosen_attention(shape, device, folder, timer, candidates, started)
         if invariant is False:
             return KernelChoice(att, att_how, None, "", None), False
         linear = tuple(linear or LINEAR_CANDIDATES)
-        lin, lin_how, cost = _chosen_linear(shape, device, weights, folder, timer, linear)
+        lin, lin_how, cost = _chosen_linear(shape, device, weights, folder, timer, linear, started)
     if invariant is None:
         invariant = cost is not None and cost <= INVARIANT_COST_BOUND
         verdict = "on" if invariant else "off"
@@ -248,23 +261,30 @@ def _chosen_attention(
     folder: Path | None,
     timer: Timer,
     candidates: tuple[ta.AttentionConfig, ...],
+    started: float,
 ) -> tuple[ta.AttentionConfig, str]:
     default = candidates[0]
     path = _kept_path(folder, "attention", shape, candidates) if folder is not None else None
     kept = read_kept(path, functools.partial(_valid_kept, ta.AttentionConfig)) if path else None
     if kept is not None:
         return ta.AttentionConfig(**kept["config"]), f"kept: {kept['how']}"
-    started = time.perf_counter()
-    try:
-        points = _attention_points(shape, device)
-        best, how = _fastest(points, candidates, timer, reference=None, started=started, margin=MARGIN)
+    began = time.perf_counter()
+    try:  # the points' buffers are no name's here: _free gives them back
+        best, how = _fastest(
+            _attention_points(shape, device),
+            candidates,
+            timer,
+            reference=None,
+            started=started,
+            margin=MARGIN,
+        )
     except Exception as exc:  # any failure of the measurement: the defaults serve, said once
         reason = first_line(exc)
         log.warning("kernel configs: the attention's measurement failed (%s): the default serves", reason)
         return default, f"default (measurement failed: {reason})"
     finally:
         _free(device)
-    text = f"measured in {time.perf_counter() - started:.1f} s: {how.text}"
+    text = f"measured in {time.perf_counter() - began:.1f} s: {how.text}"
     if path is not None:
         write_kept(path, {"config": asdict(best), "how": text})
     return best, text
@@ -277,25 +297,42 @@ def _chosen_linear(
     folder: Path | None,
     timer: Timer,
     candidates: tuple[triton_ops.LinearConfig, ...],
+    started: float,
 ) -> tuple[triton_ops.LinearConfig, str, float | None]:
-    path = _kept_path(folder, "linear", shape, candidates) if folder is not None else None
+    path = (
+        _kept_path(folder, "linear", shape, candidates, _products_tag(weights))
+        if folder is not None
+        else None
+    )
     kept = read_kept(path, functools.partial(_valid_kept, triton_ops.LinearConfig)) if path else None
     if kept is not None and isinstance(kept.get("cost"), float):
         return triton_ops.LinearConfig(**kept["config"]), f"kept: {kept['how']}", kept["cost"]
-    started = time.perf_counter()
+    began = time.perf_counter()
     try:
-        points = _linear_points(shape, device, weights)
-        reference = _Reference(points, timer)
-        best, how = _fastest(points, candidates, timer, reference=reference, started=started)
+        best, how = _measure_linear(shape, device, weights, timer, candidates, started)
     except Exception as exc:
         log.warning("kernel configs: the invariant product's measurement failed (%s)", first_line(exc))
         return candidates[0], f"default (measurement failed: {first_line(exc)})", None
     finally:
         _free(device)
-    text = f"measured in {time.perf_counter() - started:.1f} s, against cuBLAS: {how.text}"
+    text = f"measured in {time.perf_counter() - began:.1f} s, against cuBLAS: {how.text}"
     if path is not None:
         write_kept(path, {"config": asdict(best), "how": text, "cost": how.worst})
     return best, text, how.worst
+
+
+def _measure_linear(
+    shape: ModelShape,
+    device: torch.device,
+    weights: Sequence[torch.Tensor],
+    timer: Timer,
+    candidates: tuple[triton_ops.LinearConfig, ...],
+    started: float,
+) -> tuple[triton_ops.LinearConfig, _Outcome]:
+    """The invariant product's measurement; its buffers (inputs, cuBLAS's outputs) end with this call,
+    before _free gives the memory back."""
+    points = _linear_points(shape, device, weights)
+    return _fastest(points, candidates, timer, reference=_Reference(points, timer), started=started)
 
 
 def _valid_kept(kind: type, data: Any) -> bool:

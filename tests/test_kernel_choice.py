@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 import pytest
 import torch
@@ -127,6 +128,49 @@ def test_candidates_past_the_time_budget_are_not_timed(tmp_path, monkeypatch):
     launches = Launches(monkeypatch)
     choice, _ = _choose(tmp_path, launches.timer({DEFAULT: 1.0, FAST: 0.5}), attention=(DEFAULT, FAST))
     assert choice.attention == DEFAULT and "1 not timed (past 0 s)" in choice.attention_how
+
+
+def test_one_time_budget_bounds_both_measurements(tmp_path, monkeypatch):
+    """The engine's start waits for the attention's and the product's measurements together: time the
+    attention spent is not the product's to spend again."""
+    monkeypatch.setattr(kc, "BUDGET_S", 0.2)
+    launches = Launches(monkeypatch)
+    first, second = kc.LINEAR_CANDIDATES[:2]
+    seconds = {DEFAULT: 1.0, None: 1.0, first: 1.1, second: 1.0}
+    timer = launches.timer(seconds)
+
+    def slow_attention(fn, calls):
+        spent = timer(fn, calls)
+        if launches.last == DEFAULT:
+            time.sleep(0.1)  # three points: the budget is gone when the product's measurement starts
+        return spent
+
+    choice, _ = _choose(tmp_path, slow_attention, invariant=None, attention=(DEFAULT,))
+    assert choice.linear == first and "1 not timed (past 0 s)" in choice.linear_how, choice.linear_how
+
+
+def test_each_models_products_keep_a_choice_of_their_own(tmp_path, monkeypatch):
+    """Two models of the same heads but other hidden sizes: each measures its own products and keeps its
+    own file (neither reads, nor deletes, the other's)."""
+    launches = Launches(monkeypatch)
+    first, second = kc.LINEAR_CANDIDATES[:2]
+    timer = launches.timer({DEFAULT: 1.0, None: 1.0, first: 1.3, second: 1.1})
+    _choose(tmp_path, timer, invariant=None, attention=(DEFAULT,))
+    wider = [torch.randn(64, 32).to(DTYPE).to(DEVICE), torch.randn(32, 64).to(DTYPE).to(DEVICE)]
+    other, _ = kc.choose(
+        SHAPE,
+        DEVICE,
+        invariant=None,
+        weights=wider,
+        folder=tmp_path,
+        timer=timer,
+        attention=(DEFAULT,),
+        linear=kc.LINEAR_CANDIDATES[:2],
+    )
+    assert other.linear_how.startswith("measured in"), other.linear_how
+    assert len(list(tmp_path.glob("linear-*.json"))) == 2
+    again, _ = _choose(tmp_path, _never, invariant=None, attention=(DEFAULT,))
+    assert again.linear_how.startswith("kept:")
 
 
 def test_a_measurement_where_nothing_runs_keeps_the_default_and_keeps_nothing(tmp_path, monkeypatch):
