@@ -344,8 +344,7 @@ def _fill_layers(
     paged = restored.paged
     starts = [sum(item.n_tokens for item in plan[:j]) for j in range(len(plan))]
 
-    def destinations(i: int, j: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        n = plan[j].n_tokens
+    def destinations(i: int, j: int, n: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         if paged is not None:
             dst = paged.block(i, j, n)  # [2, heads, n, dim]
             return dst, dst[0], dst[1]
@@ -360,7 +359,7 @@ def _fill_layers(
             if item.buf is not None:
                 reader.read_chunk_layer(i, item.buf)
             else:  # whole chunk used, host output: read it in place, verify it there
-                _, dst_k, dst_v = destinations(i, j)
+                _, dst_k, dst_v = destinations(i, j, item.n_tokens)
                 ok, ov = host_bytes(dst_k), host_bytes(dst_v)
                 assert ok is not None and ov is not None
                 reader.read_layer_into(i, list(ok), list(ov))
@@ -388,7 +387,13 @@ def _fill_layers(
                 if src is None:
                     continue
                 n = item.n_tokens
-                dst, dst_k, dst_v = destinations(i, j)
+                stored = int(src.buf.shape[3])
+                if paged is not None and n < stored <= paged.page_tokens:
+                    # A chunk used in part: its whole stored layer, one contiguous source (a slice of pinned
+                    # memory is staged through pageable memory, synchronously, on its way to a device).
+                    # The page's tokens past n are the job's to overwrite; nothing reads past its length.
+                    n = stored
+                dst, dst_k, dst_v = destinations(i, j, n)
                 if dst is not None:  # K and V of the layer in one copy
                     _copy(dst, src.buf[i, :, :, :n], sb[i, :, :, :n] if sb is not None else None)
                 else:

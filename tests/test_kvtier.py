@@ -696,3 +696,29 @@ def test_load_into_caller_buffers_fills_them_in_place(tmp_path, l0):
     too_short = [(t[0][:, :, :5], t[1][:, :, :5]) for t in out]
     with pytest.raises(ValueError, match="does not fit"):
         store.load(match, out=too_short)
+
+
+@pytest.mark.parametrize("tier", ["l0", "l1", "l2"])
+def test_a_chunk_used_in_part_restores_into_its_page(tmp_path, tier):
+    """A match that ends inside a stored chunk restores that chunk's first tokens into the job's page
+    (the whole stored layer is copied, a contiguous source; the page's tokens past the match are the
+    job's to overwrite) and every full chunk into its own page, from each tier."""
+    from kvtier import PagedTarget
+
+    l0, l1, l2 = {"l0": (100 * CB, 0, 0), "l1": (0, 100 * CB, 0), "l2": (0, 0, 100 * CB)}[tier]
+    s = make(tmp_path, l0=l0, l1=l1, l2=l2)
+    layers = kv(3 * CHUNK, seed=5)
+    s.put("t", toks(3 * CHUNK), layers)
+    s.flush()
+    q = toks(3 * CHUNK)
+    q[CHUNK + 2] = 999  # differs inside chunk 1: 2 of its 4 tokens are reused
+    m = s.lookup("t", q)
+    assert m.tokens == CHUNK + 2 and m.tier == tier
+    pool = torch.full((LAYOUT.num_layers, 3, 2, LAYOUT.num_kv_heads, CHUNK, LAYOUT.head_dim), 7.0)
+    s.load(m, out=PagedTarget(pool, (2, 0))).wait()  # chunk 0 into page 2, chunk 1 into page 0
+    for i, (k, v) in enumerate(layers):
+        assert torch.equal(pool[i, 2, 0], k[0, :, :CHUNK]) and torch.equal(pool[i, 2, 1], v[0, :, :CHUNK])
+        assert torch.equal(pool[i, 0, 0, :, :2], k[0, :, CHUNK : CHUNK + 2])
+        assert torch.equal(pool[i, 0, 1, :, :2], v[0, :, CHUNK : CHUNK + 2])
+        assert torch.equal(pool[i, 1], torch.full_like(pool[i, 1], 7.0))  # no chunk's page: untouched
+    s.close()
