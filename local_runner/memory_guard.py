@@ -38,7 +38,11 @@ class MemoryGuard:
         available = available_memory_bytes()
         if available is None:
             return None
-        short = min_free + job.kv_bytes - available
+        pool = self._pools.get(job.request.model)
+        # a job's KV takes host memory only where its pool is on the host (a CUDA pool is on the device,
+        # allocated whole at start)
+        on_host = pool is None or pool.device.type == "cpu"
+        short = min_free + (job.kv_bytes if on_host else 0) - available
         if short <= 0:
             return None
         if self._config.evict_on_pressure:

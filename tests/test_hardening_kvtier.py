@@ -104,3 +104,80 @@ def test_l2_files_and_folders_are_owner_only(tmp_path):
         assert stat.S_IMODE(f.stat().st_mode) == 0o600
         assert stat.S_IMODE(f.parent.stat().st_mode) == 0o700
     assert stat.S_IMODE((tmp_path / "l2").stat().st_mode) == 0o700
+
+
+# ---- host memory inside a container: the cgroup's limit, not the host's MemAvailable ----------------
+
+
+def _cgroup_files(folder, files):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+
+
+def _memory(tmp_path, cgroup_lines, **folders):
+    """available_memory_bytes over a /proc and /sys/fs/cgroup written here: MemAvailable 16 GiB."""
+    from kvtier import available_memory_bytes
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "meminfo").write_text("MemTotal: 33554432 kB\nMemAvailable: 16777216 kB\n")
+    (tmp_path / "self_cgroup").write_text(cgroup_lines)
+    for path, contents in folders.items():
+        _cgroup_files(tmp_path / "cg" / path, contents)
+    (tmp_path / "cg").mkdir(exist_ok=True)
+    return available_memory_bytes(tmp_path / "meminfo", tmp_path / "self_cgroup", tmp_path / "cg")
+
+
+GiB = 1 << 30
+
+
+def test_a_v2_limit_below_memavailable_is_what_is_available(tmp_path):
+    # 4 GiB limit, 3 GiB charged of which 1 GiB inactive page cache (reclaimed before a kill): 2 GiB left
+    got = _memory(
+        tmp_path,
+        "0::/app\n",
+        app={
+            "memory.max": f"{4 * GiB}\n",
+            "memory.current": f"{3 * GiB}\n",
+            "memory.stat": f"anon 1\ninactive_file {GiB}\n",
+        },
+    )
+    assert got == 2 * GiB
+
+
+def test_a_parents_limit_counts_and_no_limit_leaves_memavailable(tmp_path):
+    limited = _memory(
+        tmp_path / "a",
+        "0::/pod/app\n",
+        **{
+            "pod": {"memory.max": f"{3 * GiB}\n", "memory.current": f"{2 * GiB}\n", "memory.stat": ""},
+            "pod/app": {"memory.max": "max\n", "memory.current": f"{2 * GiB}\n", "memory.stat": ""},
+        },
+    )
+    assert limited == GiB
+    unlimited = _memory(tmp_path / "b", "0::/app\n", app={"memory.max": "max\n", "memory.current": "5\n"})
+    assert unlimited == 16 * GiB
+
+
+def test_a_v1_limit_and_a_containers_own_mount(tmp_path):
+    # v1 inside a container: /proc/self/cgroup names the host's path, the mount is the container's cgroup
+    got = _memory(
+        tmp_path / "a",
+        "4:memory:/docker/abc\n0::/\n",
+        memory={
+            "memory.limit_in_bytes": f"{8 * GiB}\n",
+            "memory.usage_in_bytes": f"{5 * GiB}\n",
+            "memory.stat": f"cache 9\ntotal_inactive_file {GiB}\n",
+        },
+    )
+    assert got == 4 * GiB
+    # the kernel's "no limit" (PAGE_COUNTER_MAX pages) and unreadable files: MemAvailable alone
+    assert (
+        _memory(
+            tmp_path / "b",
+            "4:memory:/\n",
+            memory={"memory.limit_in_bytes": "9223372036854771712\n", "memory.usage_in_bytes": "1\n"},
+        )
+        == 16 * GiB
+    )
+    assert _memory(tmp_path / "c", "4:memory:/\n", memory={"memory.limit_in_bytes": "garbled\n"}) == 16 * GiB

@@ -97,6 +97,25 @@ async def test_memory_pressure_sheds_stored_kv_or_refuses(tmp_path):
             assert after.evictions == before.evictions and where == "l0"
 
 
+def test_a_jobs_kv_counts_against_host_memory_only_where_its_pool_is_on_the_host(monkeypatch):
+    """On CUDA a job's pages are on the device, allocated at start: the host's free memory is no reason
+    to refuse it (it was compared with the job's device bytes)."""
+    from types import SimpleNamespace
+
+    from local_runner import memory_guard
+    from local_runner.kv_pages import PagePool
+    from local_runner.memory_guard import MemoryGuard
+
+    layout = tiny_loaded().layout
+    monkeypatch.setattr(memory_guard, "available_memory_bytes", lambda: 3 << 30)
+    config = engine_config(evict_on_pressure=False, min_free_memory_bytes=2 << 30)
+    job = SimpleNamespace(request=SimpleNamespace(model="m"), kv_bytes=2 << 30)  # 1 GiB short on the host
+    for device, refused in (("cpu", True), ("cuda", False)):
+        pool = PagePool(layout, torch.device(device), 4, 256)  # nothing allocated: no device needed
+        why = MemoryGuard(config, {"m": pool}, {}).refusal(job)  # type: ignore[arg-type]
+        assert (why is not None) == refused, (device, why)
+
+
 async def test_without_overlap_a_job_waits_for_its_restore_and_answers_the_same(tmp_path):
     lm = tiny_loaded(model=tiny_llama(seed=13))
     first = ids_of(lm, "overlap or not")
