@@ -7,8 +7,9 @@ pages' release) or a load (an L2 hit's TTFT). Freed blocks are cached and handed
 back to the driver until the cache is emptied. So the store allocates, on a thread of its own at start,
 as many chunk-sized blocks as L1 holds plus one load's staging, and frees them at once: from then on an
 allocation of a chunk reuses a block (issue 37: host memory "allocated once, reused"). The allocator
-rounds each block up to a power of two, so the pool is grown with blocks of exactly the chunk's size,
-which later chunks of that size take; a shorter last chunk of a sequence may still grow it.
+rounds each block up to a power of two and caches each size apart, so the pool is grown with blocks of
+exactly the chunk's size, which later chunks of that size take, and with one block of each smaller power
+of two down to SMALLEST_BLOCK: a sequence's shorter last chunk (a turn's end) then finds one cached too.
 
 Memory the machine lacks is not taken: the pool grows by at most half of the host memory available at
 start. `empty_host_cache` gives cached blocks back (memory pressure: shedding L1 frees nothing otherwise).
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 # One load's disk chunks are staged at once before they move to the device (or into L1): a 8k-token turn
 # of 256-token chunks is 32 of them.
 STAGING_CHUNKS = 32
+# The smallest block grown ahead for a shorter last chunk (a few tokens of an 8B-shape model: 128 KiB
+# a token); the smaller ones page-lock little.
+SMALLEST_BLOCK = 1 << 20
 
 
 def empty_host_cache() -> None:
@@ -77,14 +81,20 @@ class PinnedPoolWarmer:
             taken = 1 << (self.block_bytes - 1).bit_length()  # each block as torch rounds it up
             blocks = min(blocks, available // 2 // taken)
         held: list[torch.Tensor] = []  # all held until the end, so each is a block of its own
+        sizes = [self.block_bytes] * blocks
+        if blocks:  # one block of each smaller power of two (together less than one chunk's)
+            size = 1 << (self.block_bytes - 1).bit_length() - 1
+            while size >= SMALLEST_BLOCK:
+                sizes.append(size)
+                size //= 2
         try:
-            for _ in range(blocks):
+            for size in sizes:
                 if self._stop.is_set():
                     break
-                held.append(torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True))
+                held.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
         except Exception as exc:  # a pool not grown only makes the first allocations slower
             log.warning("kvtier: growing the pinned host pool stopped: %s", exc)
-        self.grown = len(held)
+        self.grown = sum(1 for h in held if h.numel() == self.block_bytes)
         del held  # the blocks go to torch's cache, for the chunks to come
         log.info(
             "kvtier: pinned host pool grown by %d blocks of %.1f MB (%.2f GB) in %.1f s",
