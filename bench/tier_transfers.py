@@ -83,18 +83,19 @@ def drop_page_cache(root: Path) -> None:
 
 
 def busy(device: torch.device, ms: float = 200.0) -> None:
-    """Queue about `ms` of matrix products on the current stream (the device is busy computing)."""
+    """Keep the current stream computing for about `ms`: one spinning kernel (torch.cuda._sleep), not a
+    queue of small ones, which could fill the device's launch queue and make the next launch on any
+    stream wait for a slot, so that a `put` would seem to wait for the compute when it does not."""
     if device.type != "cuda":
         return
-    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    cycles = 10_000_000
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    a @ a
+    torch.cuda._sleep(cycles)
     end.record()
     end.synchronize()
-    per = max(start.elapsed_time(end), 0.01)
-    for _ in range(int(ms / per)):
-        a @ a
+    per_ms = cycles / max(start.elapsed_time(end), 0.01)
+    torch.cuda._sleep(int(ms * per_ms))
 
 
 def run(tokens: int, reps: int, layout: KVLayout, device: torch.device) -> None:
