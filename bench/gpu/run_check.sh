@@ -8,7 +8,8 @@
 # kernels.py: how a config is chosen); then the same with batch_invariant true. Prints each
 # figure; everything is kept in OUT_DIR (log.txt, pytest.txt, *.jsonl, serve.log, settings-*.json).
 # Environment (defaults are the device check's):
-#   PHASES    tests models perf correct tiers kernels exact (all, in that order: the most wanted first)
+#   PHASES    tests models perf tiers correct kernels exact (all, in that order: the most wanted first;
+#             issue 36's figures, then 37's, then exactness and the kernels' own timings)
 #   BUDGET_S  bounds the whole check (default none): each phase's time limit is cut to what is left and
 #             a phase with under 30 s left is skipped, saying so, so that a device call with a hard limit
 #             (600 s) returns every figure measured before it rather than being killed inside one
@@ -26,7 +27,7 @@ lim() {  # lim SECONDS: the phase's own limit, or what is left of BUDGET_S (10 s
   local left=$(( BUDGET_S - ($(date +%s) - T0) - 10 ))
   if [ "$BUDGET_S" -le 0 ] || [ "$1" -le "$left" ]; then echo "$1"; else echo "$(( left > 1 ? left : 1 ))"; fi
 }
-PHASES=${PHASES:-"tests models perf correct tiers kernels exact"}
+PHASES=${PHASES:-"tests models perf tiers correct kernels exact"}
 has() {  # has PHASE: asked for, and BUDGET_S leaves it 30 s
   [[ " $PHASES " == *" $1 "* ]] || return 1
   [ "$BUDGET_S" -le 0 ] || [ "$(( BUDGET_S - ($(date +%s) - T0) ))" -ge 30 ] && return 0
@@ -49,8 +50,8 @@ TP=""
 MEMORY_TEST=tests/test_kvtier_cuda.py::test_device_memory_falls_by_what_is_held
 if has tests; then  # the CUDA tests, beside the models' build (both are short of the device)
   el cuda-tests-start
-  (timeout "$(lim 200)" $PY -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_ops.py \
-    tests/test_kvtier_cuda.py tests/test_kvtier.py tests/test_reuse_policy.py tests/test_cuda_step.py tests/test_kernel_choice.py \
+  (timeout "$(lim 200)" $PY -m pytest -q -p no:cacheprovider tests/test_kvtier_cuda.py tests/test_triton_attention.py \
+    tests/test_triton_ops.py tests/test_kvtier.py tests/test_reuse_policy.py tests/test_cuda_step.py tests/test_kernel_choice.py \
     --deselect "$MEMORY_TEST" > "$OUT/pytest.txt" 2>&1; echo "pytest rc $?" >> "$OUT/pytest.txt") & TP=$!
 fi
 if has models; then
@@ -86,6 +87,10 @@ if has perf; then
   fi
   stop
 fi
+if has tiers; then
+  el tiers
+  timeout "$(lim 120)" $PY -m bench.tier_transfers --tokens ${TIER_TOKENS:-8192} --reps 3 --layout ${TIER_LAYOUT:-8b}
+fi
 if has correct; then
   el correctness-135m-shape
   serve correct m135 correct
@@ -94,10 +99,6 @@ if has correct; then
     health; grep -E '"summary' "$OUT/correct.jsonl" | cut -c1-400
   fi
   stop
-fi
-if has tiers; then
-  el tiers
-  timeout "$(lim 120)" $PY -m bench.tier_transfers --tokens ${TIER_TOKENS:-8192} --reps 3 --layout ${TIER_LAYOUT:-8b}
 fi
 if has kernels; then  # the attention's and the invariant product's configs, timed against torch's own
   el kernels
