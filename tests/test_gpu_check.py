@@ -104,21 +104,21 @@ def test_every_phase_runs_and_reports(tmp_path: Path) -> None:
 
 def test_the_budget_cuts_and_skips_phases(tmp_path: Path) -> None:
     """Uncut, this correctness phase alone takes well over a minute here; within BUDGET_S=40 it is cut
-    short (or skipped) and the tiers' phase, with under 30 s left, is skipped: the run ends near 40 s."""
+    short (or skipped) and the kernels' phase, with under 30 s left, is skipped: the run ends near 40 s."""
     port = free_port()
     started = time.monotonic()
     log = run_check(
         tmp_path / "out",
         tmp_path / "models",
         port,
-        PHASES="models correct tiers",
+        PHASES="models correct kernels",
         BUDGET_S="40",
         CONVS="6",
         WORDS="3000",
     )
     assert time.monotonic() - started < 40 + 20, log  # + stopping a server; uncut: 80 s and more
-    assert "skip tiers: under 30 s of BUDGET_S=40 left" in log
-    assert "l1 -> pages GB/s" not in log
+    assert "skip kernels: under 30 s of BUDGET_S=40 left" in log
+    assert "SDPA, keys whole" not in log
     assert "s: done" in log
     assert not listening(port)
 
