@@ -83,7 +83,7 @@ class PinnedPoolWarmer:
         held: list[torch.Tensor] = []  # all held until the end, so each is a block of its own
         sizes = [self.block_bytes] * blocks
         if blocks:  # one block of each smaller power of two (together less than one chunk's)
-            size = 1 << (self.block_bytes - 1).bit_length() - 1
+            size = 1 << ((self.block_bytes - 1).bit_length() - 1)
             while size >= SMALLEST_BLOCK:
                 sizes.append(size)
                 size //= 2

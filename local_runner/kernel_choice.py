@@ -27,7 +27,6 @@ kept. On a CPU (the tests) the same code runs under Triton's interpreter.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
@@ -46,6 +45,7 @@ from . import triton_attention as ta
 from . import triton_ops
 from .compiled import first_line
 from .kept import read_kept, write_kept
+from .loader import on_model_device
 
 log = logging.getLogger("attnstore.runner")
 
@@ -239,9 +239,7 @@ def choose(
     `weights`: the layer's products' weights [N, K] (the model's own), for the invariant product."""
     candidates = tuple(attention or attention_candidates(shape.dtype))
     started = time.perf_counter()  # BUDGET_S bounds both measurements together: the start waits for them
-    # the timings' graphs, events and launches on the model's device, whichever is current
-    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with on_device:
+    with on_model_device(device):  # the timings' graphs, events and launches, whichever is current
         att, att_how = _chosen_attention(shape, device, folder, timer, candidates, started)
         if invariant is False:
             return KernelChoice(att, att_how, None, "", None), False

@@ -435,10 +435,10 @@ def _make_pool(lm: LoadedModel, jobs: int, context: int, page_tokens: int, reser
                 fit * page_tokens * lm.layout.bytes_per_token / 1e9,
             )
         pages = fit
-        pool = PagePool(lm.layout, lm.device, pages, page_tokens)
+    pool = PagePool(lm.layout, lm.device, pages, page_tokens)
+    if lm.device.type == "cuda":
         pool.take_memory()  # now: the next model's pool is sized from what this one leaves free
-        return pool
-    return PagePool(lm.layout, lm.device, pages, page_tokens)
+    return pool
 
 
 def _activation_bytes(lm: LoadedModel, max_rows: int, context: int) -> int:
