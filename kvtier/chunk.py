@@ -180,6 +180,29 @@ def copy_blocks(
     return {i: ChunkKV(b, written) for i, b in bufs.items()}
 
 
+def copy_blocks_to_host(
+    blocks: Sequence[torch.Tensor], todo: Sequence[int], stream: torch.cuda.Stream
+) -> tuple[dict[int, ChunkKV], torch.cuda.Event]:
+    """CUDA blocks copied straight into pinned host buffers on `stream`, after the work the caller's
+    current stream holds so far (what wrote them), so the caller's stream never waits for these copies.
+    Returns the chunks (each carries the event after the copies) and that event: the blocks are read
+    until it completes, so their memory must not be written again before it."""
+    device = blocks[todo[0]].device
+    before = torch.cuda.Event()
+    before.record(torch.cuda.current_stream(device))
+    bufs: dict[int, torch.Tensor] = {}
+    with torch.cuda.stream(stream):
+        stream.wait_event(before)
+        for i in todo:
+            src = blocks[i]
+            bufs[i] = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            bufs[i].copy_(src, non_blocking=True)  # a strided page: torch packs it on `stream` first
+            src.record_stream(stream)  # a caller that drops its block leaves the memory to these reads
+        read = torch.cuda.Event()
+        read.record(stream)
+    return {i: ChunkKV(b, read) for i, b in bufs.items()}, read
+
+
 def copy_chunks(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     spans: dict[int, tuple[int, int]],

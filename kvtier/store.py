@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 
 from .adoption import Adoption
-from .chunk import ChunkId, ChunkKV, copy_blocks, copy_chunks
+from .chunk import ChunkId, ChunkKV, SideStreams, copy_blocks, copy_blocks_to_host, copy_chunks
 from .chunk_keys import chain, chunk_spans, root_key
 from .config import PrefixMatch, StoreConfig
 from .core import StoreCore
@@ -75,6 +75,7 @@ class KVStore:
         self._prefetching = Prefetching(core, self._placement, self._loading)
         self._saving = Saving(core, self._placement)
         self._pinned_pool = _grow_pinned_pool(core)
+        self._page_reads = SideStreams()  # put's copies of blocks straight to the host (_copy_blocks)
 
     # ---- keys -------------------------------------------------------------------------------------
 
@@ -210,10 +211,16 @@ class KVStore:
         *,
         blocks: Sequence[torch.Tensor] | None = None,
         session: str | None = None,
+        on_blocks_read: Callable[[torch.cuda.Event], None] | None = None,
     ) -> list[str]:
         """Store the chunks of token_ids not stored yet (copies them); returns the keys covering token_ids.
         The KV comes as `layers` (per layer (K, V), [1, heads, >= tokens, head_dim]) or as `blocks` (per
         chunk, [layers, 2, heads, n, head_dim]: a paged pool's pages, chunk_tokens each but the last).
+
+        On CUDA, blocks may still be read on a side stream once put returns (see _copy_blocks): put then
+        calls `on_blocks_read` with the event after those reads, and the caller writes that memory again
+        only after it (an engine's freed pages wait for it before their reuse). Without `on_blocks_read`
+        the caller's current stream waits for that event instead.
 
         For a final partial chunk already covered by a longer stored sibling, the sibling's key is returned.
         """
@@ -239,7 +246,8 @@ class KVStore:
         if not todo:
             return result
         if blocks is not None:  # no lock held
-            data = copy_blocks(blocks, todo, self.device)
+            data = self._copy_blocks(blocks, todo, on_blocks_read)
+            todo = [i for i in todo if i in data]
         else:
             data = copy_chunks(pairs, {i: spans[i] for i in todo}, self.layout, self.device)
         saves: list[Save] = []
@@ -260,7 +268,9 @@ class KVStore:
             # The deepest first: where the chain does not fit, its own end gives way to its head (placed
             # later, so used more recently), never the other way round (see Placement.touch_chain).
             for entry, chunk_data in reversed(new):
-                self._placement.place(entry, chunk_data, copies, core.keep)
+                on_host = chunk_data.buf.device != self.device  # a page copied to the host: no tier above
+                tiers = [t for t in core.keep if t.device.type == "cpu"] if on_host else core.keep
+                self._placement.place(entry, chunk_data, copies, tiers)
             for entry, _ in new:
                 if not core.usable(entry):  # fits nowhere (everything pinned, or tiers disabled)
                     core.index.remove(entry.key)
@@ -273,6 +283,40 @@ class KVStore:
         core.backing.delete(deletes)
         self._saving.submit(saves)  # never blocks: a save the full queue cannot take is skipped
         return result
+
+    def _copy_blocks(
+        self,
+        blocks: Sequence[torch.Tensor],
+        todo: list[int],
+        on_blocks_read: Callable[[torch.cuda.Event], None] | None,
+    ) -> dict[int, ChunkKV]:
+        """The new chunks' blocks copied into buffers of the store's own (no lock held).
+
+        On CUDA, only the chunks the fastest kept tier can hold go into device buffers: the chain's head
+        (placed last, so what that tier keeps), as many as its capacity takes. The rest go straight to
+        pinned host buffers on the store's page-read stream, after the caller's stream: copying a long
+        turn's every chunk on the device first (3.75 GB at 30k tokens of an 8B model) would take device
+        memory no budget counts, only for most of it to cross to the host at once, and a copy to the
+        host on the caller's stream would hold up its next step. Chunks that no host tier and no disk
+        could take are not copied at all."""
+        core = self._core
+        fastest = core.keep[0] if core.keep else None
+        if self.device.type != "cuda" or not todo:
+            return copy_blocks(blocks, todo, self.device)
+        on_device = 0
+        if fastest is not None and fastest.device.type == "cuda":
+            on_device = fastest.capacity // core.nbytes(self.config.chunk_tokens)
+        head, rest = todo[:on_device], todo[on_device:]
+        host_room = any(t.device.type == "cpu" and t.capacity for t in core.keep) or core.backing.capacity
+        data = copy_blocks(blocks, head, self.device) if head else {}
+        if rest and host_room:
+            on_host, read = copy_blocks_to_host(blocks, rest, self._page_reads.get(self.device))
+            data.update(on_host)
+            if on_blocks_read is not None:
+                on_blocks_read(read)
+            else:
+                torch.cuda.current_stream(self.device).wait_event(read)
+        return data
 
     def _have(self, chunk: ChunkId, result: list[str], i: int) -> bool:
         """With the lock held: is this chunk stored already? A partial chunk counts as stored when a

@@ -49,6 +49,7 @@ class JobKV:
         self.length = 0
         self._source: LayerSource | None = None
         self._arrived: list[bool] = []
+        self._read_until: torch.cuda.Event | None = None  # a save reads the pages until then (CUDA)
 
     @classmethod
     def standalone(
@@ -74,12 +75,18 @@ class JobKV:
         if missing > 0:
             self.pages.extend(self.pool.allocate(missing))
 
+    def read_until(self, event: torch.cuda.Event) -> None:
+        """The store still reads these pages on a stream of its own until `event` (a save's copies to
+        the host): whoever takes them next waits for it (PagePool.allocate)."""
+        self._read_until = event
+
     def release(self) -> None:
         """Give every page back (the job is done and nothing writes into them any more)."""
         pages, self.pages = self.pages, []
+        read_until, self._read_until = self._read_until, None
         self.length = 0
         self._source = None
-        self.pool.free(pages)
+        self.pool.free(pages, read_until=read_until)
 
     def reset(self) -> None:
         """Forget the KV held (its pages stay the job's, to be written again)."""

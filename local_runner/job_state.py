@@ -380,7 +380,11 @@ class JobState:
         req = self.job.request
         try:
             return self.store.put(
-                req.namespace, self.fed_ids, blocks=self.kv.chunk_blocks(), session=req.session
+                req.namespace,
+                self.fed_ids,
+                blocks=self.kv.chunk_blocks(),
+                session=req.session,
+                on_blocks_read=self.kv.read_until,  # the pages are freed after put, read a while longer
             )
         except Exception:  # saving is an optimisation: the answer stands without it
             log.exception("saving KV failed; the answer is unaffected")

@@ -13,7 +13,12 @@ buf[i, :, 0] ([pages, kv_heads, page_tokens, head_dim], page stride 2 * kv_heads
 head_dim) through each job's page table.
 
 Ownership: the pool owns the free list (under its lock: the worker allocates, the save hand-off frees);
-each job's `PageTable` (job_kv.py) owns the pages it holds and gives them back when the job is done.
+each job's `JobKV` (job_kv.py) owns the pages it holds and gives them back when the job is done.
+
+Reads after the free (CUDA): a save may still copy freed pages to the host on the store's own stream
+(kvtier's put), so a page comes back with the event after those reads. Its next owner's stream waits
+for that event when it takes the page (a wait on the device, none on the host, and none at all once the
+copy is done): the step never waits for a save, and a page is never written while it is read.
 
 Memory: on the CPU the buffer is an anonymous mmap: its pages take no memory until a job writes them,
 the lowest free pages are handed out first so the touched part stays compact, and `give_back` returns
@@ -59,6 +64,7 @@ class PagePool:
         self._lock = threading.Lock()
         self._free = list(range(pages))  # a heap: the lowest page first keeps the touched memory compact
         self._is_free = [True] * pages
+        self._read_until: dict[int, torch.cuda.Event] = {}  # freed pages a save still reads, until then
         self._buf: torch.Tensor | None = None
         self._mmap: mmap.mmap | None = None
 
@@ -66,7 +72,8 @@ class PagePool:
 
     def allocate(self, n: int) -> list[int]:
         """`n` free pages (the lowest first), or PoolExhausted with none taken. Allocates the buffer on
-        first use."""
+        first use. On CUDA, the caller's current stream waits for the reads still running on pages it
+        takes (`free`'s `read_until`), so everything it then queues writes them after those reads."""
         if n <= 0:
             return []
         with self._lock:
@@ -75,10 +82,16 @@ class PagePool:
             taken = [heapq.heappop(self._free) for _ in range(n)]
             for p in taken:
                 self._is_free[p] = False
+            reads = {id(e): e for p in taken if (e := self._read_until.pop(p, None)) is not None}
+        for event in reads.values():
+            if not event.query():
+                torch.cuda.current_stream(self.device).wait_event(event)
         self._ensure()
         return taken
 
-    def free(self, pages: list[int]) -> None:
+    def free(self, pages: list[int], *, read_until: torch.cuda.Event | None = None) -> None:
+        """Give pages back. `read_until`: the event after which nothing reads them any more (a save's
+        copies to the host on another stream); their next owner waits for it (see allocate)."""
         with self._lock:
             if len(set(pages)) != len(pages) or any(
                 not 0 <= p < self.pages or self._is_free[p] for p in pages
@@ -87,6 +100,8 @@ class PagePool:
             for p in pages:
                 self._is_free[p] = True
                 heapq.heappush(self._free, p)
+                if read_until is not None:
+                    self._read_until[p] = read_until
 
     @property
     def free_pages(self) -> int:

@@ -146,6 +146,71 @@ def test_a_put_of_pages_never_waits_for_the_compute_and_restores_into_pages(tmp_
 
 
 @cuda
+@pytest.mark.parametrize("hint", ["ttft_priority", "throughput"])
+def test_a_put_of_pages_copies_on_the_device_only_what_l0_keeps(tmp_path, hint):
+    """A turn longer than L0: only the chunks L0 keeps (the chain's head; none with the throughput
+    hint, which keeps L0 for queued jobs) are copied on the device, the rest go straight from the pages
+    to pinned host memory on the store's stream, after the compute, and the caller gets the event
+    after which its pages are no longer read. Copying every chunk on the device first would take 4
+    chunks of device memory here (3.75 GB at 30k tokens of an 8B model); the KV restores bit for bit."""
+    from kvtier import PagedTarget
+
+    n = 4
+    store = make(tmp_path, l0=1 * CB, l1=8 * CB, l2=0, device="cuda", placement_hint=hint)
+    src = _pages(kv(n * CHUNK, seed=71), n)
+    blocks = [src[:, p] for p in range(n)]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    reads: list[torch.cuda.Event] = []
+    torch.cuda._sleep(BUSY_CYCLES)
+    store.put("t", toks(n * CHUNK), blocks=blocks, on_blocks_read=reads.append)
+    assert len(reads) == 1 and not reads[0].query()  # queued behind the compute, and put did not wait
+    on_device = 1 if hint == "ttft_priority" else 0
+    # L0's chunk, plus one chunk at a time packed on the store's stream (a page is a strided view)
+    assert torch.cuda.max_memory_allocated() - base <= (on_device + 1) * CB
+    reads[0].synchronize()
+    store.wait_copies()
+    match = store.lookup("t", toks(n * CHUNK))
+    assert match.tokens >= n * CHUNK - 1
+    core = store._core
+    held = [(core.memory_tier_of(c.key).name, core.memory_copy(c.key).buf) for c in match.chunks]
+    assert [name for name, _ in held] == ["l0"] * on_device + ["l1"] * (n - on_device)
+    assert all(buf.is_pinned() for name, buf in held if name == "l1")
+    dst = torch.zeros_like(src)
+    store.load(match, out=PagedTarget(dst, tuple(range(n)))).wait()
+    m = match.tokens - (n - 1) * CHUNK
+    assert torch.equal(dst[:, : n - 1], src[:, : n - 1]) and torch.equal(
+        dst[:, -1, :, :, :m], src[:, -1, :, :, :m]
+    )
+    store.close()
+
+
+@cuda
+def test_a_put_of_pages_without_a_callback_orders_the_callers_stream_after_its_reads(tmp_path):
+    """Without `on_blocks_read` nobody would know when the pages may be written again: the caller's
+    stream then waits for the reads (on the device), so what it queues next writes after them; chunks
+    no tier and no disk could take are not copied at all."""
+    store = make(tmp_path, l0=0, l1=8 * CB, l2=0, device="cuda")
+    src = _pages(kv(2 * CHUNK, seed=72), 2)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        store.put("t", toks(2 * CHUNK), blocks=[src[:, p] for p in range(2)])
+        src.fill_(0)  # the caller reuses its pages at once
+    store.wait_copies()
+    restored = store.load(store.lookup("t", toks(2 * CHUNK)))
+    assert not torch.all(restored.layer(0)[0] == 0)  # the copy read the pages before the fill
+    restored.wait()
+    store.close()
+    nowhere = make(tmp_path / "nowhere", l0=1 * CB, l1=0, l2=0, device="cuda")
+    src = _pages(kv(3 * CHUNK, seed=73), 3)
+    reads: list[torch.cuda.Event] = []
+    nowhere.put("t", toks(3 * CHUNK), blocks=[src[:, p] for p in range(3)], on_blocks_read=reads.append)
+    assert reads == [] and nowhere.lookup("t", toks(3 * CHUNK)).tokens == CHUNK  # L0 took the head only
+    nowhere.close()
+
+
+@cuda
 def test_side_streams_are_kept_and_restores_have_a_high_priority_one_per_thread():
     """torch.cuda.Stream() hands out pooled streams in turn: an owner's stream must stay its own however
     many streams are taken since, and a load thread's restores must not share another's."""

@@ -216,6 +216,72 @@ def test_job_kv_writes_into_its_own_pages_only_grows_and_crops():
         pool.free([0, 0])
 
 
+class _Read:
+    """What the pool asks of a CUDA event: whether the reads before it are done."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_page_a_save_still_reads_is_written_by_its_next_owner_only_after_the_read(monkeypatch):
+    """The store may copy a saved job's pages to the host on its own stream after they are freed: the
+    next owner's stream waits for that read, once, and only where it is not done yet."""
+    waited: list[_Read] = []
+
+    class Stream:
+        def wait_event(self, event: _Read) -> None:
+            waited.append(event)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    lm = tiny_loaded()
+    pool = PagePool(lm.layout, lm.device, 4, 64)
+    saved, done_saving = JobKV(pool), JobKV(pool)
+    saved.ensure(128)
+    done_saving.ensure(64)
+    assert (saved.pages, done_saving.pages) == ([0, 1], [2])
+    reading, read = _Read(False), _Read(True)
+    saved.read_until(reading)
+    saved.release()
+    done_saving.read_until(read)
+    done_saving.release()
+    nxt = JobKV(pool)
+    nxt.ensure(64)
+    assert nxt.pages == [0] and waited == [reading]
+    nxt.ensure(256)  # pages 1 (still read), 2 (read already) and 3 (never read)
+    assert nxt.pages == [0, 1, 2, 3] and waited == [reading, reading]
+    nxt.release()  # no save read them this time
+    JobKV(pool).ensure(256)
+    assert waited == [reading, reading]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_page_freed_during_a_read_on_cuda_holds_its_next_owners_stream_on_the_device():
+    """On CUDA the wait is on the device: allocate returns at once, and the taker's stream runs what
+    it queues next only once the read on the other stream is over."""
+    from kvtier import KVLayout
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    pool = PagePool(layout, torch.device("cuda"), 2, 64)
+    pool.take_memory()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(500_000_000)
+        reading = torch.cuda.Event()
+        reading.record(side)
+    pool.free(pool.allocate(1), read_until=reading)
+    assert torch.cuda.current_stream().query()
+    pool.allocate(1)
+    assert not torch.cuda.current_stream().query()  # it waits for the read
+    side.synchronize()
+    torch.cuda.current_stream().synchronize()
+    pool.allocate(1)  # page 1, never read after a free: no wait
+    assert torch.cuda.current_stream().query()
+
+
 def test_text_stream_holds_back_a_possible_stop_and_cuts_at_it():
     tok = tiny_tokenizer()
     ids = tok.encode("one two. three", add_special_tokens=False)
