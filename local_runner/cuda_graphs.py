@@ -6,6 +6,12 @@ of a serving engine) takes the graph of the smallest bucket that holds its jobs;
 padding (they write into a page no job holds and their logits are dropped). Any other step (a prompt
 chunk, a restore still arriving, more jobs than the largest bucket) runs eagerly.
 
+Each bucket has one graph per class of key partitions (1, 4, 16, ... up to the longest context's): the
+attention's grid spans a fixed number of partitions of PARTITION keys, and a graph sized for the longest
+context would launch every row's empty partitions and a merge pass at every step of short chats. The
+step takes the smallest class that holds its longest row. Which class runs never changes a result: a
+row's partitions and their merge depend on its own length only (triton_attention.py).
+
 The graphs read everything that changes from step to step out of one static buffer on the device
 (token ids, positions, where each new K/V goes, each job's page table and key count), which one copy
 from pinned host memory fills before the replay (vLLM's and nano-vllm's layout). The kernels are the
@@ -36,6 +42,16 @@ def buckets_up_to(most: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def partition_classes_up_to(most: int) -> list[int]:
+    """The partition counts graphs are captured for: powers of four below `most`, and `most`. A step
+    launches at most four times the partitions its longest row needs (or the longest context's), and a
+    bucket takes one capture per class (4 at 128k keys)."""
+    classes = [1]
+    while classes[-1] * 4 < most:
+        classes.append(classes[-1] * 4)
+    return sorted({*classes, most})
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -49,6 +65,7 @@ class DecodeGraphs:
         self.stack = stack
         self.pool = pool
         self.buckets = buckets_up_to(most_jobs)
+        self.partition_classes = partition_classes_up_to(triton_attention.partitions_of(most_keys))
         self.width = pool.pages_for(most_keys)  # page-table columns: a job's most pages
         self.most_keys = most_keys
         self.pad_page = pool.allocate(1)[0]  # padding rows write here; no job ever holds it
@@ -70,7 +87,7 @@ class DecodeGraphs:
         )
         self._arange = torch.arange(most, dtype=torch.int32, device=device)
         self._ones = torch.ones(most, dtype=torch.int32, device=device)
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[tuple[int, int], _Graph] = {}  # by (bucket, partitions)
         self._pool_handle: object = None
         # recorded after each copy of the host buffer: the next _fill waits for it before rewriting the
         # buffer (a step whose rows never reach the host would otherwise let it race its own copy)
@@ -101,8 +118,11 @@ class DecodeGraphs:
         tables.copy_(self._tables(self._device))
         return self.stack.forward(ids, positions, keep, plan)
 
-    def _plan(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PackedPlan]:
-        """The static inputs of a bucket (views of the device buffers) and the plan its forward reads."""
+    def _plan(
+        self, bucket: int, partitions: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PackedPlan]:
+        """The static inputs of a bucket (views of the device buffers) and the plan its forward reads,
+        the attention's grid spanning `partitions` partitions."""
         ids, positions, pages, offsets = (self._field(self._device, i)[:bucket] for i in range(4))
         keys, all_tables = self._kernel_views()
         lengths, tables = keys[:bucket], all_tables[:bucket]
@@ -115,7 +135,7 @@ class DecodeGraphs:
             item_count=self._ones[:bucket],
             item_length=lengths,
             items=bucket,
-            partitions=triton_attention.partitions_of(self.most_keys),
+            partitions=partitions,
             group=self.stack.heads // self.stack.kv_heads,
             tokens=bucket,
             config=self.stack.attention,
@@ -138,9 +158,10 @@ class DecodeGraphs:
         return ids, positions, rows, plan
 
     def capture(self) -> None:
-        """Capture every bucket's graph, the largest first (the others reuse its memory pool). Each is
-        run once eagerly first: Triton compiles its kernels outside the capture. The capture errs only
-        on this thread's unsafe calls ("thread_local"): the store's threads may page-lock host memory
+        """Capture every bucket's graphs, the largest first (the others reuse its memory pool). Each
+        bucket's forward runs once eagerly first, at each class (Triton compiles its kernels, the merge's
+        included, outside the capture; the partitions are not specialized on). The capture errs only on
+        this thread's unsafe calls ("thread_local"): the store's threads may page-lock host memory
         meanwhile (kvtier/pinned_pool.py grows its pool at start), which "global" would count against
         the capture."""
         self._fill([])
@@ -148,14 +169,20 @@ class DecodeGraphs:
         self._pool_handle = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(self.pool.device)
         for bucket in reversed(self.buckets):
-            ids, positions, keep, plan = self._plan(bucket)
-            self._forward(ids, positions, keep, plan)  # compile and warm up, outside the graph
-            torch.cuda.synchronize(self.pool.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool_handle, capture_error_mode="thread_local"):
-                logits = self._forward(ids, positions, keep, plan)
-            self._graphs[bucket] = _Graph(graph, logits)
+            for partitions in reversed(self.partition_classes):
+                ids, positions, keep, plan = self._plan(bucket, partitions)
+                self._forward(ids, positions, keep, plan)  # warm up, outside the graph
+                torch.cuda.synchronize(self.pool.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool_handle, capture_error_mode="thread_local"):
+                    logits = self._forward(ids, positions, keep, plan)
+                self._graphs[bucket, partitions] = _Graph(graph, logits)
         torch.cuda.synchronize(self.pool.device)
+
+    def partitions_for(self, work: list[Work]) -> int:
+        """The smallest partition class that holds the step's longest row (its keys after this token)."""
+        needed = triton_attention.partitions_of(max(w.kv.length + 1 for w in work))
+        return next(c for c in self.partition_classes if c >= needed)
 
     def fits(self, work: list[Work]) -> bool:
         """A step the graphs can run: decoding jobs only, of this pool, none still restoring."""
@@ -174,18 +201,19 @@ class DecodeGraphs:
         """Replay the bucket's graph for these decoding jobs; their logits rows (views of the graph's
         output, valid until the next replay) in `work`'s order. Advances each job's length."""
         bucket = next(b for b in self.buckets if b >= len(work))
+        partitions = self.partitions_for(work)
         for w in work:
             w.kv.ensure(w.kv.length + 1)
         self._fill(work)
         self._device.copy_(self._host, non_blocking=True)
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.pool.device))  # where the copy runs
-        graph = self._graphs.get(bucket)
+        graph = self._graphs.get((bucket, partitions))
         if graph is not None:
             graph.graph.replay()
             logits = graph.logits
         else:  # not captured (a CPU test): the replay's computation, run eagerly on the same inputs
-            ids, positions, keep, plan = self._plan(bucket)
+            ids, positions, keep, plan = self._plan(bucket, partitions)
             logits = self._forward(ids, positions, keep, plan)
         step_logits = StepLogits(logits[: len(work)])
         for w in work:

@@ -184,8 +184,9 @@ class ModelStep:
             return
         self.graphs = graphs
         self.graphs_status = (
-            f"{len(graphs.buckets)} batch sizes up to {graphs.buckets[-1]}, captured in "
-            f"{time.perf_counter() - started:.1f} s"
+            f"{len(graphs.buckets)} batch sizes up to {graphs.buckets[-1]}, "
+            f"{len(graphs.partition_classes)} partition counts up to {graphs.partition_classes[-1]}, "
+            f"captured in {time.perf_counter() - started:.1f} s"
         )
         log.info("model %s: decode steps replay CUDA graphs: %s", self.lm.name, self.graphs_status)
 

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from local_runner import exact_kernel  # noqa: E402
-from local_runner.cuda_graphs import DecodeGraphs, buckets_up_to  # noqa: E402
+from local_runner import exact_kernel, triton_attention  # noqa: E402
+from local_runner.cuda_graphs import DecodeGraphs, buckets_up_to, partition_classes_up_to  # noqa: E402
 from local_runner.cuda_stack import CudaStack  # noqa: E402
 from local_runner.decoder import DecoderStack, fuse_projections  # noqa: E402
 from local_runner.job_kv import JobKV  # noqa: E402
@@ -104,6 +104,52 @@ def test_a_decode_step_as_graph_inputs_equals_the_eager_step(tiny):
             assert torch.equal(ka, kb) and torch.equal(va, vb)
     held = {p for kv in kvs for p in kv.pages}
     assert graphs.pad_page not in held
+
+
+def test_a_decode_graph_takes_the_fewest_partitions_its_rows_need_and_computes_the_same(tiny, monkeypatch):
+    """Partitions of 16 keys (so that short rows span several): each step replays the graph of the
+    smallest partition class holding its longest row, and computes what the eager step does, bit for
+    bit, whichever class that is (a row's partitions and their merge depend on its length only)."""
+    monkeypatch.setattr(triton_attention, "PARTITION", 16)
+    stack = CudaStack(tiny.model, invariant=True, max_positions=256)
+    histories = [[5, 6, 7], list(range(2, 40)), list(range(10, 60))]
+    pool, kvs = _jobs(tiny, histories)
+    graphs = DecodeGraphs(stack, pool, most_jobs=4, most_keys=128)
+    assert graphs.partition_classes == [1, 4, 8]
+    if CUDA:
+        graphs.capture()
+        assert len(graphs._graphs) == len(graphs.buckets) * 3
+    _, eager = _jobs(tiny, histories)
+    for group in (kvs, eager):
+        run_packed(
+            tiny,
+            [Work(kv, h, want_logits=False) for kv, h in zip(group, histories, strict=True)],
+            stack=stack,
+        )
+    replayed: list[int] = []
+    chosen = graphs.partitions_for
+    monkeypatch.setattr(graphs, "partitions_for", lambda work: replayed.append(chosen(work)) or replayed[-1])
+    # job 0 alone (4 keys: 1 partition), jobs 0-1 (39 keys: 3 -> 4), all three (51 keys: 4 -> 4), then
+    # job 2 past 64 keys (5 partitions -> 8)
+    steps = [[0], [0, 1], [0, 1, 2]] + [[2]] * 14
+    for step, jobs in enumerate(steps):
+        token = 11 + step
+        got = graphs.run([Work(kvs[j], [token], want_logits=True) for j in jobs])
+        want = run_packed(tiny, [Work(eager[j], [token], want_logits=True) for j in jobs], stack=stack)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.tensor, b.tensor)
+    assert replayed[:3] == [1, 4, 4] and replayed[-1] == 8 and 4 in replayed[3:]
+    for kv_g, kv_e in zip(kvs, eager, strict=True):
+        for (ka, va), (kb, vb) in zip(kv_g.layers(), kv_e.layers(), strict=True):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_partition_classes():
+    assert partition_classes_up_to(1) == [1]
+    assert partition_classes_up_to(4) == [1, 4]
+    assert partition_classes_up_to(8) == [1, 4, 8]
+    assert partition_classes_up_to(32) == [1, 4, 16, 32]  # 128k keys in partitions of 4,096
+    assert partition_classes_up_to(64) == [1, 4, 16, 64]
 
 
 def test_buckets():
