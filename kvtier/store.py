@@ -297,19 +297,18 @@ class KVStore:
         pinned host buffers on the store's page-read stream, after the caller's stream: copying a long
         turn's every chunk on the device first (3.75 GB at 30k tokens of an 8B model) would take device
         memory no budget counts, only for most of it to cross to the host at once, and a copy to the
-        host on the caller's stream would hold up its next step. Chunks that no host tier and no disk
-        could take are not copied at all."""
-        core = self._core
+        host on the caller's stream would hold up its next step. Chunks that neither a host tier nor the
+        save queue could take are not copied at all (_host_keeps)."""
+        core, config = self._core, self.config
         fastest = core.keep[0] if core.keep else None
         if self.device.type != "cuda" or not todo:
             return copy_blocks(blocks, todo, self.device)
-        on_device = 0
-        if fastest is not None and fastest.device.type == "cuda":
-            on_device = fastest.capacity // core.nbytes(self.config.chunk_tokens)
+        chunk = core.nbytes(config.chunk_tokens)
+        on_device = fastest.capacity // chunk if fastest is not None and fastest.device.type == "cuda" else 0
         head, rest = todo[:on_device], todo[on_device:]
-        host_room = any(t.device.type == "cpu" and t.capacity for t in core.keep) or core.backing.capacity
+        rest = rest[: self._host_keeps(len(head), len(rest))]
         data = copy_blocks(blocks, head, self.device) if head else {}
-        if rest and host_room:
+        if rest:
             on_host, read = copy_blocks_to_host(blocks, rest, self._page_reads.get(self.device))
             data.update(on_host)
             if on_blocks_read is not None:
@@ -317,6 +316,19 @@ class KVStore:
             else:
                 torch.cuda.current_stream(self.device).wait_event(read)
         return data
+
+    def _host_keeps(self, head: int, rest: int) -> int:
+        """How many of a put's chunks past L0's `head` could stay anywhere once copied to the host: what
+        the host tiers hold, or the saves the queue can take after the head's (a save reserves head
+        first). Copying more would page-lock host memory (kept by torch's pinned cache) only for the
+        chunks to be dropped at once."""
+        core, config = self._core, self.config
+        chunk = core.nbytes(config.chunk_tokens)
+        keeps = sum(t.capacity for t in core.keep if t.device.type == "cpu") // chunk
+        if core.backing.capacity and self._saving.enabled:
+            slots = config.save_queue_chunks + config.save_workers if config.async_save else head + rest
+            keeps = max(keeps, slots - head)
+        return min(rest, keeps)
 
     def _have(self, chunk: ChunkId, result: list[str], i: int) -> bool:
         """With the lock held: is this chunk stored already? A partial chunk counts as stored when a
@@ -432,7 +444,10 @@ def _grow_pinned_pool(core: StoreCore) -> PinnedPoolWarmer | None:
     if config.pinned_pool_bytes is not None:
         blocks = config.pinned_pool_bytes // block
     else:
-        blocks = config.l1_capacity_bytes // block + (STAGING_CHUNKS if config.l2_capacity_bytes else 0)
+        # with L2: one load's staging, or the host copies of a put's chunks the save queue holds
+        # (_host_keeps), whichever is more (they rarely peak together)
+        staging = max(STAGING_CHUNKS, config.save_queue_chunks + config.save_workers)
+        blocks = config.l1_capacity_bytes // block + (staging if config.l2_capacity_bytes else 0)
     return PinnedPoolWarmer(block, blocks) if blocks > 0 else None
 
 

@@ -16,9 +16,10 @@ Ownership: the pool owns the free list (under its lock: the worker allocates, th
 each job's `JobKV` (job_kv.py) owns the pages it holds and gives them back when the job is done.
 
 Reads after the free (CUDA): a save may still copy freed pages to the host on the store's own stream
-(kvtier's put), so a page comes back with the event after those reads. Its next owner's stream waits
-for that event when it takes the page (a wait on the device, none on the host, and none at all once the
-copy is done): the step never waits for a save, and a page is never written while it is read.
+(kvtier's put), so a page comes back with the event after those reads. A page whose read is done is
+taken before one still read; when one still read must be taken, its next owner's stream waits for that
+event (a wait on the device, none on the host): a page is never written while it is read, and a step
+waits for a save only when the pool has no other page.
 
 Memory: on the CPU the buffer is an anonymous mmap: its pages take no memory until a job writes them,
 the lowest free pages are handed out first so the touched part stays compact, and `give_back` returns
@@ -79,7 +80,7 @@ class PagePool:
         with self._lock:
             if len(self._free) < n:
                 raise PoolExhausted(f"{n} KV pages wanted, {len(self._free)} free of {self.pages}")
-            taken = [heapq.heappop(self._free) for _ in range(n)]
+            taken = self._take(n)
             for p in taken:
                 self._is_free[p] = False
             reads = {id(e): e for p in taken if (e := self._read_until.pop(p, None)) is not None}
@@ -87,6 +88,21 @@ class PagePool:
             if not event.query():
                 torch.cuda.current_stream(self.device).wait_event(event)
         self._ensure()
+        return taken
+
+    def _take(self, n: int) -> list[int]:
+        """With the lock held: the `n` lowest free pages, skipping those a save still reads while enough
+        others are free. Why: the wait for a read holds up the taker's stream, which every running job's
+        step shares, and a long turn's copies to the host run for a while (about 75 ms for 3.7 GB)."""
+        ready: list[int] = []
+        reading: list[int] = []
+        while len(ready) < n and self._free:
+            p = heapq.heappop(self._free)
+            event = self._read_until.get(p)
+            (reading if event is not None and not event.query() else ready).append(p)
+        taken = ready + reading[: n - len(ready)]
+        for p in reading[n - len(ready) :]:
+            heapq.heappush(self._free, p)
         return taken
 
     def free(self, pages: list[int], *, read_until: torch.cuda.Event | None = None) -> None:

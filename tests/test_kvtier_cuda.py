@@ -194,6 +194,8 @@ def test_a_put_of_pages_without_a_callback_orders_the_callers_stream_after_its_r
     store = make(tmp_path, l0=0, l1=8 * CB, l2=0, device="cuda")
     src = _pages(kv(2 * CHUNK, seed=72), 2)
     side = torch.cuda.Stream()
+    with torch.cuda.stream(store._page_reads.get(torch.device("cuda"))):
+        torch.cuda._sleep(BUSY_CYCLES)  # the store's reads wait behind this: the race below is certain
     with torch.cuda.stream(side):
         store.put("t", toks(2 * CHUNK), blocks=[src[:, p] for p in range(2)])
         src.fill_(0)  # the caller reuses its pages at once
@@ -344,3 +346,19 @@ def test_the_pinned_pool_is_grown_at_start_so_a_put_into_l1_allocates_none(tmp_p
     assert store.lookup("t", toks(2 * CHUNK)).tier == "l1"
     assert stats()["num_host_alloc"] == grown
     store.close()
+
+
+def test_a_put_copies_to_the_host_only_what_a_host_tier_or_the_save_queue_can_take(tmp_path):
+    """The chunks past L0's head are page-locked host copies on CUDA (put's _copy_blocks): as many as
+    L1 holds, or as the save queue takes after the head's saves, never more (torch's pinned cache
+    would keep the memory of chunks dropped at once). The rule runs on CUDA stores; here L0 is left
+    out (on a CPU store it is host memory too)."""
+    l1_only = make(tmp_path / "a", l0=0, l1=2 * CB, l2=0)
+    assert l1_only._host_keeps(head=1, rest=10) == 2
+    queue = make(tmp_path / "b", l0=0, l1=0, l2=64 * CB, async_save=True, save_queue_chunks=3)
+    assert queue._host_keeps(head=1, rest=10) == 3  # 3 queued + 1 writing, less the head's save
+    assert queue._host_keeps(head=1, rest=2) == 2
+    written_at_once = make(tmp_path / "c", l0=0, l1=0, l2=64 * CB)  # put writes before it returns
+    assert written_at_once._host_keeps(head=1, rest=10) == 10
+    for store in (l1_only, queue, written_at_once):
+        store.close()

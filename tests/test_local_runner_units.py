@@ -227,8 +227,9 @@ class _Read:
 
 
 def test_a_page_a_save_still_reads_is_written_by_its_next_owner_only_after_the_read(monkeypatch):
-    """The store may copy a saved job's pages to the host on its own stream after they are freed: the
-    next owner's stream waits for that read, once, and only where it is not done yet."""
+    """The store may copy a saved job's pages to the host on its own stream after they are freed: pages
+    whose read is over go first, and the next owner of one still read has its stream wait for the read
+    (once per read, not per page)."""
     waited: list[_Read] = []
 
     class Stream:
@@ -249,18 +250,18 @@ def test_a_page_a_save_still_reads_is_written_by_its_next_owner_only_after_the_r
     done_saving.release()
     nxt = JobKV(pool)
     nxt.ensure(64)
-    assert nxt.pages == [0] and waited == [reading]
-    nxt.ensure(256)  # pages 1 (still read), 2 (read already) and 3 (never read)
-    assert nxt.pages == [0, 1, 2, 3] and waited == [reading, reading]
+    assert nxt.pages == [2] and waited == []  # pages 0 and 1 are still read: the next free one
+    nxt.ensure(256)  # page 3, then the two still read
+    assert nxt.pages == [2, 3, 0, 1] and waited == [reading]
     nxt.release()  # no save read them this time
     JobKV(pool).ensure(256)
-    assert waited == [reading, reading]
+    assert waited == [reading]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_page_freed_during_a_read_on_cuda_holds_its_next_owners_stream_on_the_device():
-    """On CUDA the wait is on the device: allocate returns at once, and the taker's stream runs what
-    it queues next only once the read on the other stream is over."""
+    """On CUDA the wait is on the device: allocate returns at once, another free page goes first, and
+    the stream of whoever takes the page still read runs what it queues next only after the read."""
     from kvtier import KVLayout
 
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
@@ -273,13 +274,17 @@ def test_a_page_freed_during_a_read_on_cuda_holds_its_next_owners_stream_on_the_
         reading = torch.cuda.Event()
         reading.record(side)
     pool.free(pool.allocate(1), read_until=reading)
-    assert torch.cuda.current_stream().query()
-    pool.allocate(1)
-    assert not torch.cuda.current_stream().query()  # it waits for the read
+    assert pool.allocate(1) == [1]  # the page not read first, no wait
+    after = torch.cuda.Event()
+    after.record()
+    after.synchronize()
+    assert not reading.query()  # the current stream did not wait for the read
+    assert pool.allocate(1) == [0]
+    after = torch.cuda.Event()
+    after.record()
+    assert not after.query()  # the current stream waits for the read
     side.synchronize()
-    torch.cuda.current_stream().synchronize()
-    pool.allocate(1)  # page 1, never read after a free: no wait
-    assert torch.cuda.current_stream().query()
+    after.synchronize()
 
 
 def test_text_stream_holds_back_a_possible_stop_and_cuts_at_it():
