@@ -267,10 +267,10 @@ class KVStore:
                 new.append((entry, data[i]))
             # The deepest first: where the chain does not fit, its own end gives way to its head (placed
             # later, so used more recently), never the other way round (see Placement.touch_chain).
+            host_keep = [t for t in core.keep if t.device.type == "cpu"]
             for entry, chunk_data in reversed(new):
                 on_host = chunk_data.buf.device != self.device  # a page copied to the host: no tier above
-                tiers = [t for t in core.keep if t.device.type == "cpu"] if on_host else core.keep
-                self._placement.place(entry, chunk_data, copies, tiers)
+                self._placement.place(entry, chunk_data, copies, host_keep if on_host else core.keep)
             for entry, _ in new:
                 if not core.usable(entry):  # fits nowhere (everything pinned, or tiers disabled)
                     core.index.remove(entry.key)
@@ -295,7 +295,7 @@ class KVStore:
         On CUDA, only the chunks the fastest kept tier can hold go into device buffers: the chain's head
         (placed last, so what that tier keeps), as many as its capacity takes. The rest go straight to
         pinned host buffers on the store's page-read stream, after the caller's stream: copying a long
-        turn's every chunk on the device first (3.75 GB at 30k tokens of an 8B model) would take device
+        turn's every chunk on the device first (3.7 GiB at 30k tokens of an 8B model) would take device
         memory no budget counts, only for most of it to cross to the host at once, and a copy to the
         host on the caller's stream would hold up its next step. Chunks that neither a host tier nor the
         save queue could take are not copied at all (_host_keeps)."""

@@ -84,22 +84,25 @@ class PagePool:
             for p in taken:
                 self._is_free[p] = False
             reads = {id(e): e for p in taken if (e := self._read_until.pop(p, None)) is not None}
-        for event in reads.values():
-            if not event.query():
-                torch.cuda.current_stream(self.device).wait_event(event)
+        for event in reads.values():  # only reads still running (_take dropped the finished ones)
+            torch.cuda.current_stream(self.device).wait_event(event)
         self._ensure()
         return taken
 
     def _take(self, n: int) -> list[int]:
         """With the lock held: the `n` lowest free pages, skipping those a save still reads while enough
-        others are free. Why: the wait for a read holds up the taker's stream, which every running job's
-        step shares, and a long turn's copies to the host run for a while (about 75 ms for 3.7 GB)."""
+        others are free (a page whose read is over loses its event here). Why: the wait for a read holds
+        up the taker's stream, which every running job's step shares, and a long turn's copies to the
+        host run at the link's speed, far longer than a step."""
         ready: list[int] = []
         reading: list[int] = []
         while len(ready) < n and self._free:
             p = heapq.heappop(self._free)
             event = self._read_until.get(p)
-            (reading if event is not None and not event.query() else ready).append(p)
+            if event is not None and event.query():
+                del self._read_until[p]
+                event = None
+            (ready if event is None else reading).append(p)
         taken = ready + reading[: n - len(ready)]
         for p in reading[n - len(ready) :]:
             heapq.heappush(self._free, p)

@@ -47,6 +47,16 @@ def _jobs(lm, histories, page_tokens=16):
     return pool, kvs
 
 
+def _prefill(lm, stack, histories, *groups) -> None:
+    """Each group of jobs fed its history (job i: histories[i]) in one packed step."""
+    for group in groups:
+        run_packed(
+            lm,
+            [Work(kv, h, want_logits=False) for kv, h in zip(group, histories, strict=True)],
+            stack=stack,
+        )
+
+
 def test_the_cuda_forward_computes_what_the_decoder_does(tiny):
     stack = CudaStack(tiny.model, invariant=True, max_positions=256)
     reference = DecoderStack(tiny.model)
@@ -86,12 +96,7 @@ def test_a_decode_step_as_graph_inputs_equals_the_eager_step(tiny):
     if CUDA:
         graphs.capture()
     _, eager = _jobs(tiny, histories)
-    for group in (kvs, eager):
-        run_packed(
-            tiny,
-            [Work(kv, h, want_logits=False) for kv, h in zip(group, histories, strict=True)],
-            stack=stack,
-        )
+    _prefill(tiny, stack, histories, kvs, eager)
     for token in (11, 12, 13):  # three decode steps; the second crosses a page boundary for job 0 (40 -> 48)
         got = graphs.run([Work(kv, [token], want_logits=True) for kv in kvs])
         want = run_packed(tiny, [Work(kv, [token], want_logits=True) for kv in eager], stack=stack)
@@ -120,12 +125,7 @@ def test_a_decode_graph_takes_the_fewest_partitions_its_rows_need_and_computes_t
         graphs.capture()
         assert len(graphs._graphs) == len(graphs.buckets) * 3
     _, eager = _jobs(tiny, histories)
-    for group in (kvs, eager):
-        run_packed(
-            tiny,
-            [Work(kv, h, want_logits=False) for kv, h in zip(group, histories, strict=True)],
-            stack=stack,
-        )
+    _prefill(tiny, stack, histories, kvs, eager)
     replayed: list[int] = []
     chosen = graphs.partitions_for
     monkeypatch.setattr(graphs, "partitions_for", lambda work: replayed.append(chosen(work)) or replayed[-1])
