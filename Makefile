@@ -13,7 +13,7 @@ TORCH_PIN ?= torch==2.13.0
 TRITON_PIN ?= triton==3.9.0
 SETTINGS ?= settings.json
 
-.PHONY: run test test-fast install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench-batch bench soak soak-streams clean vllm test-vllm gpu-check
+.PHONY: run test test-fast trial install install-dev install-bench lint format bench-overhead bench-tiers bench-runner bench-batch bench soak soak-streams clean vllm test-vllm gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,13 @@ run: install
 
 test: install-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The user trial (tests/trial/run.sh; docs/testing.md): attnstore started at its defaults, every endpoint
+# driven through the official openai and anthropic clients, in bfloat16-or-float32 (auto) and float32.
+# A few minutes; not part of `make test` (it is the whole system as a user runs it, not a test of a part).
+trial: install-dev
+	bash tests/trial/run.sh auto
+	bash tests/trial/run.sh float32
 
 # Everything that does not load the real model (conftest marks every test using it `model`): seconds.
 test-fast: install-dev
