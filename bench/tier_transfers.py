@@ -2,6 +2,7 @@
 caller, and whether a restore's layer i+1 arrives while layer i computes.
 
     python -m bench.tier_transfers [--tokens 8192] [--reps 3] [--layout 8b|135m] [--device auto]
+        [--tiers l0,l1,l2] [--no-puts]      # e.g. --tiers l2 --no-puts: L2's moves alone
 
 KV of a model's shape (8b: Llama-3.1-8B's, 32 layers x 8 K/V heads x 128, bfloat16, 128 KiB a token;
 135m: SmolLM2-135M's), chunks of 256 tokens, restored into a page pool as the engine's jobs are
@@ -98,7 +99,14 @@ def busy(device: torch.device, ms: float = 200.0) -> None:
     torch.cuda._sleep(int(ms * per_ms))
 
 
-def run(tokens: int, reps: int, layout: KVLayout, device: torch.device) -> None:
+def run(
+    tokens: int,
+    reps: int,
+    layout: KVLayout,
+    device: torch.device,
+    tiers: tuple[str, ...] = ("l0", "l1", "l2"),
+    puts: bool = True,
+) -> None:
     n_pages = tokens // CHUNK
     ids = list(range(tokens))
     nbytes = tokens * layout.bytes_per_token
@@ -111,6 +119,8 @@ def run(tokens: int, reps: int, layout: KVLayout, device: torch.device) -> None:
         for rep in range(reps):
             ns = f"rep{rep}"
             for tier, caps in (("l0", (BIG, 0, 0)), ("l1", (0, BIG, 0)), ("l2", (0, 0, BIG))):
+                if tier not in tiers:
+                    continue
                 store = make_store(root / f"{tier}{rep}", layout, device, *caps, pinned=POOL * nbytes)
                 sync(device)
                 t0 = time.perf_counter()
@@ -135,11 +145,15 @@ def run(tokens: int, reps: int, layout: KVLayout, device: torch.device) -> None:
                     )
                 store.close()
             for name, caps in (
-                ("L0 only", (BIG, 0, 0)),
-                ("L1 only", (0, BIG, 0)),
-                ("L2 only", (0, 0, BIG)),
-                ("L0 + L1 of 0", (1 << 20, 0, BIG)),
-                ("L2 full", (0, 0, nbytes)),
+                ()
+                if not puts
+                else (
+                    ("L0 only", (BIG, 0, 0)),
+                    ("L1 only", (0, BIG, 0)),
+                    ("L2 only", (0, 0, BIG)),
+                    ("L0 + L1 of 0", (1 << 20, 0, BIG)),
+                    ("L2 full", (0, 0, nbytes)),
+                )
             ):
                 store = make_store(
                     root / f"put{rep}{name.replace(' ', '')}", layout, device, *caps, pinned=POOL * nbytes
@@ -252,6 +266,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="8b")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--tiers", default="l0,l1,l2", help="the tiers whose moves are measured (l2: L2's alone)")
+    ap.add_argument("--no-puts", action="store_true", help="skip what put costs its caller")
     a = ap.parse_args()
     device = torch.device(
         "cuda"
@@ -260,7 +276,10 @@ def main() -> None:
         if a.device == "auto"
         else a.device
     )
-    run(a.tokens // CHUNK * CHUNK, a.reps, LAYOUTS[a.layout], device)
+    tiers = tuple(t for t in a.tiers.split(",") if t)
+    if not set(tiers) <= {"l0", "l1", "l2"}:
+        ap.error(f"--tiers takes l0, l1, l2; got {a.tiers}")
+    run(a.tokens // CHUNK * CHUNK, a.reps, LAYOUTS[a.layout], device, tiers, not a.no_puts)
 
 
 if __name__ == "__main__":
