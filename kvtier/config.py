@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,6 +14,15 @@ from .tier_names import TIERS, Tier, tier_rank
 PLACEMENT_HINTS = ("ttft_priority", "throughput")
 EVICTION_POLICIES = tuple(POLICIES)  # each within the scheduler's order (schedule.py)
 L2_FORMATS = ("safetensors",)  # one safetensors file per chunk (chunk_format.py)
+
+
+def default_read_workers() -> int:
+    """Threads reading a load's disk chunks: one per core this process may run on, at least 2 and at
+    most 8. Each thread checksums the layer it read, so threads past the cores only take turns (on 2
+    cores a warm restore of 8k tokens of the 8B layout read at 4.1 GB/s with 2 or 4 threads, 3.5 with
+    8); two let one thread's wait for the disk overlap another's checksum; 8 keep enough 1 MiB reads
+    in flight for an NVMe drive (docs/benchmarks.md, "Tier throughput")."""
+    return min(8, max(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2))
 
 
 @dataclass
@@ -29,7 +39,7 @@ class StoreConfig:
     save_workers: int = 1
     save_queue_chunks: int = 32  # bounded queue; a chunk put() cannot queue is not written (saving.py)
     load_workers: int = 4  # load() threads the store owns; more loads at once wait their turn
-    read_workers: int = 8  # threads reading a load's disk chunks in parallel
+    read_workers: int = field(default_factory=default_read_workers)  # a load's disk reads in parallel
     # Where a turn's new KV and what a load read stay in memory: "ttft_priority" keeps them in L0, ready
     # for the session's next turn; "throughput" keeps L0 for running and queued jobs (prefetch), and new
     # or restored KV goes to L1 (and L2).
