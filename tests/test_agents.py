@@ -17,36 +17,11 @@ import pytest
 
 from tests.model_fixture import MODEL
 from tests.servers import http_request
+from tests.support.tools import PERSON, TOOLS, WEATHER
 
 pytestmark = pytest.mark.model
 
 TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather of a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-SEARCH = {
-    "type": "function",
-    "function": {
-        "name": "search_files",
-        "description": "Search the repository for a text.",
-        "parameters": {
-            "type": "object",
-            "properties": {"query": {"type": "string", "maxLength": 40}, "limit": {"type": "integer"}},
-            "required": ["query"],
-        },
-    },
-}
-TOOLS = [WEATHER, SEARCH]
 
 
 @pytest.fixture
@@ -122,17 +97,6 @@ def check_required(c: openai.OpenAI) -> None:
         jsonschema.validate(json.loads(calls[0].function.arguments), schemas[calls[0].function.name])
 
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        # Bounded, as a schema for a small greedy model must be: unbounded, it may repeat to max_tokens.
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
-    },
-    "required": ["name", "age", "hobbies"],
-    "additionalProperties": False,
-}
 SUBJECTS = [
     "a pilot",
     "a baker",

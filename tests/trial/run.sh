@@ -76,7 +76,7 @@ wait_for "$UPSTREAM/_trial/requests" "$FAKE_PID" "$FAKE_LOG" "the fake upstream"
 (cd "$REPO" && exec "$REPO/.venv/bin/attnstore" serve --settings "$SETTINGS") >"$SERVER_LOG" 2>&1 &
 SERVER_PID=$!
 wait_for "$BASE/healthz" "$SERVER_PID" "$SERVER_LOG" "attnstore ($MODE)"
-"$PY" "$REPO/tests/trial/trial.py" --base "$BASE" --upstream "$UPSTREAM" --label "$MODE" --log "$SERVER_LOG" "$@"
+PYTHONPATH="$REPO" "$PY" "$REPO/tests/trial/trial.py" --base "$BASE" --upstream "$UPSTREAM" --label "$MODE" --log "$SERVER_LOG" "$@"
 rc=$?
 echo "run.sh: trial.py exited $rc"
 exit "$rc"

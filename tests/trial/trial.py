@@ -35,6 +35,8 @@ import anthropic
 import jsonschema
 import openai
 
+from tests.support.tools import PERSON, SEARCH, TOOLS, WEATHER
+
 LOCAL = "smollm2-135m-instruct"
 TOOLS_MODEL = "smollm2-tools"
 UPSTREAM_MODEL = "gpt-fake"
@@ -58,47 +60,11 @@ LOG_LINE = re.compile(
     r"prompt=(\d+) ttft_ms=([\d.]+)"
 )
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather of a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-SEARCH = {
-    "type": "function",
-    "function": {
-        "name": "search_files",
-        "description": "Search the repository for a text.",
-        "parameters": {
-            "type": "object",
-            "properties": {"query": {"type": "string", "maxLength": 40}, "limit": {"type": "integer"}},
-            "required": ["query"],
-        },
-    },
-}
-TOOLS = [WEATHER, SEARCH]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 SEARCH_ANTHROPIC = {
     "name": "search_files",
     "description": "Search the repository for a text.",
     "input_schema": SEARCH["function"]["parameters"],
-}
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
-    },
-    "required": ["name", "age", "hobbies"],
-    "additionalProperties": False,
 }
 TOPICS = [
     "the sea", "the moon", "volcanoes", "bees", "rivers", "deserts",
