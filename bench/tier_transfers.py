@@ -114,6 +114,17 @@ def run(
     dst = pool(layout, device, n_pages)
     target = PagedTarget(dst, tuple(range(n_pages)))
     out: dict[str, list[float]] = defaultdict(list)
+    put_cases = (
+        (
+            ("L0 only", (BIG, 0, 0)),
+            ("L1 only", (0, BIG, 0)),
+            ("L2 only", (0, 0, BIG)),
+            ("L0 + L1 of 0", (1 << 20, 0, BIG)),
+            ("L2 full", (0, 0, nbytes)),
+        )
+        if puts
+        else ()
+    )
     with tempfile.TemporaryDirectory(prefix="tier-transfers-") as tmp:
         root = Path(tmp)
         for rep in range(reps):
@@ -144,17 +155,7 @@ def run(
                         match.tokens * layout.bytes_per_token / (time.perf_counter() - t0) / 1e9
                     )
                 store.close()
-            for name, caps in (
-                ()
-                if not puts
-                else (
-                    ("L0 only", (BIG, 0, 0)),
-                    ("L1 only", (0, BIG, 0)),
-                    ("L2 only", (0, 0, BIG)),
-                    ("L0 + L1 of 0", (1 << 20, 0, BIG)),
-                    ("L2 full", (0, 0, nbytes)),
-                )
-            ):
+            for name, caps in put_cases:
                 store = make_store(
                     root / f"put{rep}{name.replace(' ', '')}", layout, device, *caps, pinned=POOL * nbytes
                 )

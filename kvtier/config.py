@@ -18,11 +18,11 @@ L2_FORMATS = ("safetensors",)  # one safetensors file per chunk (chunk_format.py
 
 def default_read_workers() -> int:
     """Threads reading a load's disk chunks: one per core this process may run on, at least 2 and at
-    most 8. Each thread checksums the layer it read, so threads past the cores only take turns (on 2
-    cores a warm restore of 8k tokens of the 8B layout read at 4.1 GB/s with 2 or 4 threads, 3.5 with
-    8); two let one thread's wait for the disk overlap another's checksum; 8 keep enough 1 MiB reads
-    in flight for an NVMe drive (docs/benchmarks.md, "Tier throughput")."""
-    return min(8, max(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2))
+    most 8. Each thread checksums the layer it read, so threads past the cores only take turns; two let
+    one thread's wait for the disk overlap another's checksum; 8 keep enough 1 MiB reads in flight for
+    an NVMe drive (measured: docs/benchmarks.md, "Tier throughput")."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return min(8, max(2, cores))
 
 
 @dataclass

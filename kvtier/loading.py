@@ -413,8 +413,8 @@ def _fill_layers(
 def _byte_runs(rows: np.ndarray) -> list[np.ndarray]:
     """A destination's bytes as contiguous runs in order: the whole tensor when it is contiguous (a
     whole page's K or V), else one run per head (a chunk shorter than its page). One run per tensor is
-    one iovec and one checksum update: xxhash holds the GIL over small updates (16 of 64 KiB took as
-    long on 2 threads as on one), so per-head runs serialized the read threads' checksums."""
+    one iovec and one checksum update: python-xxhash holds the GIL over small updates, so per-head runs
+    serialized the read threads' checksums (docs/benchmarks.md, "Tier throughput")."""
     return [rows.reshape(-1)] if rows.flags.c_contiguous else list(rows)
 
 
