@@ -9,7 +9,6 @@ SmolLM2's own chat template renders no tools, so these tests give it a ChatML te
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import openai
@@ -18,10 +17,9 @@ import pytest
 from tests.model_fixture import MODEL
 from tests.servers import http_request
 from tests.support.tools import PERSON, TOOLS, WEATHER
+from tests.support.tools import TOOLS_TEMPLATE as TEMPLATE
 
 pytestmark = pytest.mark.model
-
-TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
 
 
 @pytest.fixture

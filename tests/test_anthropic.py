@@ -1,6 +1,6 @@
 """Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): served locally on the one
 serving layer with reuse, with the official `anthropic` client over loopback HTTP and the real model
-(float32, the ChatML + Hermes tools template of tests/test_agents.py); errors in Anthropic's shape, so the
+(float32, the ChatML + Hermes tools template of tests/support/tools.py); errors in Anthropic's shape, so the
 SDK raises the right exception; `x-api-key` auth; upstream models passed through with the upstream's key.
 """
 
@@ -15,12 +15,13 @@ from proxy.errors import APIError
 from tests import test_agents as agents
 from tests.model_fixture import MODEL
 from tests.servers import http_request
+from tests.support import tools as shared_tools
 
 CHUNK = 16
 SEARCH = {
     "name": "search_files",
     "description": "Search the repository for a text.",
-    "input_schema": agents.SEARCH["function"]["parameters"],
+    "input_schema": shared_tools.SEARCH["function"]["parameters"],
 }
 FORCED = {"type": "tool", "name": "search_files"}
 # The 2.17 SDK's create() has no sampling parameters any more; the API (and attnstore) still takes them.
@@ -253,7 +254,7 @@ def test_upstream_models_pass_through_with_the_upstreams_key_and_no_client_key(
 @pytest.fixture
 def server(local_proxy):
     return local_proxy(
-        local_runner={"kv_chunk_tokens": CHUNK, "chat_templates": {MODEL: str(agents.TEMPLATE)}}
+        local_runner={"kv_chunk_tokens": CHUNK, "chat_templates": {MODEL: str(shared_tools.TOOLS_TEMPLATE)}}
     )
 
 

@@ -19,7 +19,8 @@ from proxy.settings import SettingsError, parse_settings
 from proxy.turns.session import prefix_fingerprint, resolve_session
 from tests.model_fixture import MODEL
 from tests.servers import http_request
-from tests.test_agents import SEARCH, TEMPLATE  # the tools template and a tool the model calls
+from tests.support.tools import SEARCH  # a tool the model calls
+from tests.support.tools import TOOLS_TEMPLATE as TEMPLATE
 from tests.tiny_model import tiny_loaded
 from vllm_engine.link.options import ConnectorOptions
 

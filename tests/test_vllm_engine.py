@@ -30,6 +30,7 @@ from engine_api.model_source import ModelLoadError
 from engine_api.prompt import PromptFormat, render_prompt
 from tests import test_agents as agents
 from tests.model_fixture import DEFAULT_DTYPE, MODEL, REPO
+from tests.support import tools as shared_tools
 from tests.support.processes import ReplicaProcess
 from tests.support.waiting import wait_until
 from vllm_engine.server import check_vllm_python
@@ -251,7 +252,7 @@ def test_at_the_default_dtype_hits_survive_a_restart_a_corrupt_file_is_a_miss_an
     servers, vllm_python, tmp_path
 ):
     """At the default settings (dtype auto: the layout the CPU kernel uses by default), with the tools
-    template of tests/test_agents.py: later turns hit and equal a recompute, DELETE forgets; a restart of
+    template of tests/support/tools.py: later turns hit and equal a recompute, DELETE forgets; a restart of
     attnstore and vLLM keeps the hits (from L2) and a corrupt L2 file is a miss; then issue 27's agent
     checks (written once above the engines) on the restarted server: a named and a required tool call
     (vLLM decodes under the serving layer's grammar), JSON Schema answers that validate, top_logprobs,
@@ -259,9 +260,9 @@ def test_at_the_default_dtype_hits_survive_a_restart_a_corrupt_file_is_a_miss_an
     times (a start takes about half a minute here)."""
     l2 = tmp_path / "kv"
     config = settings(vllm_python, l2)
-    config["local_runner"]["chat_templates"] = {MODEL: str(agents.TEMPLATE)}
+    config["local_runner"]["chat_templates"] = {MODEL: str(shared_tools.TOOLS_TEMPLATE)}
     config["attention_store"]["position_encoding"]["max_context_tokens"] = 4096  # the agent loop's results
-    template = agents.TEMPLATE.read_text()
+    template = shared_tools.TOOLS_TEMPLATE.read_text()
     (first,) = servers.start(config)
     assert _served_dtype(first) == DEFAULT_DTYPE
     check_later_turns_hit_and_delete_forgets(first, template)
@@ -325,7 +326,7 @@ def test_anthropic_messages_on_vllm_read_the_first_turn_from_the_store(servers, 
     first one's KV from the store (cache_read_input_tokens, the reused-tokens header), streamed or not;
     count_tokens is the turn's prompt; a forced tool call comes back as a tool_use block."""
     config = settings(vllm_python, tmp_path / "kv")
-    config["local_runner"]["chat_templates"] = {MODEL: str(agents.TEMPLATE)}
+    config["local_runner"]["chat_templates"] = {MODEL: str(shared_tools.TOOLS_TEMPLATE)}
     (server,) = servers.start(config)
     c = anthropic.Anthropic(base_url=server.url, api_key="agent", max_retries=0, timeout=300)
     greedy = {"temperature": 0}
@@ -355,7 +356,7 @@ def test_anthropic_messages_on_vllm_read_the_first_turn_from_the_store(servers, 
         text == second.content[0].text
         and c.messages.count_tokens(model=MODEL, messages=messages).input_tokens == total
     )
-    search = {"name": "search_files", "input_schema": agents.SEARCH["function"]["parameters"]}
+    search = {"name": "search_files", "input_schema": shared_tools.SEARCH["function"]["parameters"]}
     called = c.messages.create(
         model=MODEL,
         max_tokens=60,

@@ -3,7 +3,11 @@ enum and no extra properties (a named or required call must fill both), one with
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+# ChatML with Hermes `<tool_call>` blocks, as Qwen2.5's: SmolLM2's own template renders no tools.
+TOOLS_TEMPLATE = Path(__file__).parent.parent / "templates" / "chatml_tools.jinja"
 
 WEATHER: dict[str, Any] = {
     "type": "function",
