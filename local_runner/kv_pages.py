@@ -17,9 +17,9 @@ each job's `JobKV` (job_kv.py) owns the pages it holds and gives them back when 
 
 Reads after the free (CUDA): a save may still copy freed pages to the host on the store's own stream
 (kvtier's put), so a page comes back with the event after those reads. A page whose read is done is
-taken before one still read; when one still read must be taken, its next owner's stream waits for that
-event (a wait on the device, none on the host): a page is never written while it is read, and a step
-waits for a save only when the pool has no other page.
+taken before one still read; when one still read must be taken (the oldest read first), its next
+owner's stream waits for that event (a wait on the device, none on the host): a page is never written
+while it is read, and a step waits for a save only when the pool has no other page.
 
 Memory: on the CPU the buffer is an anonymous mmap: its pages take no memory until a job writes them,
 the lowest free pages are handed out first so the touched part stays compact, and `give_back` returns
@@ -63,9 +63,12 @@ class PagePool:
         self.pages = pages
         self.page_tokens = page_tokens
         self._lock = threading.Lock()
-        self._free = list(range(pages))  # a heap: the lowest page first keeps the touched memory compact
+        # Free pages nothing reads, as a heap: the lowest page first keeps the touched memory compact.
+        self._free = list(range(pages))
+        # Free pages a save may still read, one batch per `free` call, with the event that ends its read.
+        self._reading: list[tuple[torch.cuda.Event, list[int]]] = []
+        self._free_count = pages
         self._is_free = [True] * pages
-        self._read_until: dict[int, torch.cuda.Event] = {}  # freed pages a save still reads, until then
         self._buf: torch.Tensor | None = None
         self._mmap: mmap.mmap | None = None
 
@@ -78,35 +81,45 @@ class PagePool:
         if n <= 0:
             return []
         with self._lock:
-            if len(self._free) < n:
-                raise PoolExhausted(f"{n} KV pages wanted, {len(self._free)} free of {self.pages}")
-            taken = self._take(n)
+            if self._free_count < n:
+                raise PoolExhausted(f"{n} KV pages wanted, {self._free_count} free of {self.pages}")
+            taken, reads = self._take(n)
             for p in taken:
                 self._is_free[p] = False
-            reads = {id(e): e for p in taken if (e := self._read_until.pop(p, None)) is not None}
-        for event in reads.values():  # only reads still running (_take dropped the finished ones)
+            self._free_count -= n
+        for event in reads:  # only reads still running (_take let the finished ones go)
             torch.cuda.current_stream(self.device).wait_event(event)
         self._ensure()
         return taken
 
-    def _take(self, n: int) -> list[int]:
-        """With the lock held: the `n` lowest free pages, skipping those a save still reads while enough
-        others are free (a page whose read is over loses its event here). Why: the wait for a read holds
-        up the taker's stream, which every running job's step shares, and a long turn's copies to the
-        host run at the link's speed, far longer than a step."""
-        ready: list[int] = []
-        reading: list[int] = []
-        while len(ready) < n and self._free:
-            p = heapq.heappop(self._free)
-            event = self._read_until.get(p)
-            if event is not None and event.query():
-                del self._read_until[p]
-                event = None
-            (ready if event is None else reading).append(p)
-        taken = ready + reading[: n - len(ready)]
-        for p in reading[n - len(ready) :]:
-            heapq.heappush(self._free, p)
-        return taken
+    def _take(self, n: int) -> tuple[list[int], list[torch.cuda.Event]]:
+        """With the lock held: `n` pages, the lowest that nothing reads first, then those a save still
+        reads, oldest read first, with the events their taker must wait for. Why this order: the wait
+        for a read holds up the taker's stream, which every running job's step shares, and a long
+        turn's copies to the host run at the link's speed, far longer than a step.
+
+        Cost: one event query per batch still read (one batch per saved job, not per page), then
+        O(n log free): a pool whose every free page is still read is never scanned page by page."""
+        still_read: list[tuple[torch.cuda.Event, list[int]]] = []
+        for event, batch in self._reading:
+            if event.query():  # the read is over: the pages join those nothing reads
+                for p in batch:
+                    heapq.heappush(self._free, p)
+            else:
+                still_read.append((event, batch))
+        self._reading = still_read
+        taken = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
+        waits: list[torch.cuda.Event] = []
+        while len(taken) < n:
+            event, batch = self._reading[0]
+            want = n - len(taken)
+            taken += batch[:want]
+            waits.append(event)
+            if want < len(batch):
+                self._reading[0] = (event, batch[want:])
+            else:
+                self._reading.pop(0)
+        return taken, waits
 
     def free(self, pages: list[int], *, read_until: torch.cuda.Event | None = None) -> None:
         """Give pages back. `read_until`: the event after which nothing reads them any more (a save's
@@ -118,14 +131,17 @@ class PagePool:
                 raise ValueError(f"pages {pages} are out of range or freed twice")
             for p in pages:
                 self._is_free[p] = True
-                heapq.heappush(self._free, p)
-                if read_until is not None:
-                    self._read_until[p] = read_until
+            self._free_count += len(pages)
+            if read_until is None:
+                for p in pages:
+                    heapq.heappush(self._free, p)
+            elif pages:
+                self._reading.append((read_until, sorted(pages)))
 
     @property
     def free_pages(self) -> int:
         with self._lock:
-            return len(self._free)
+            return self._free_count
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_tokens)
@@ -168,7 +184,7 @@ class PagePool:
         if self._mmap is None:
             return 0
         with self._lock:
-            free = sorted(self._free)
+            free = sorted(self._free + [p for _event, batch in self._reading for p in batch])
         lay = self.layout
         per_page = 2 * lay.num_kv_heads * self.page_tokens * lay.head_dim * lay.itemsize
         os_page = mmap.PAGESIZE

@@ -258,6 +258,48 @@ def test_a_page_a_save_still_reads_is_written_by_its_next_owner_only_after_the_r
     assert waited == [reading]
 
 
+class _CountedRead(_Read):
+    """A read whose queries are counted."""
+
+    def __init__(self, done: bool) -> None:
+        super().__init__(done)
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+
+def test_pages_still_read_are_taken_oldest_read_first_with_one_query_per_saved_job(monkeypatch):
+    """When every free page is still read, the pool asks each save's event once (not each page), takes
+    the oldest save's pages first, splits a save's pages between two takers, and makes each taker's
+    stream wait for exactly the reads of the pages it got."""
+    waited: list[_Read] = []
+
+    class Stream:
+        def wait_event(self, event: _Read) -> None:
+            waited.append(event)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    lm = tiny_loaded()
+    pool = PagePool(lm.layout, lm.device, 8, 64)
+    first, second = pool.allocate(4), pool.allocate(4)
+    older, newer = _CountedRead(False), _CountedRead(False)
+    pool.free(second, read_until=older)
+    pool.free(first, read_until=newer)
+    assert pool.free_pages == 8
+    assert pool.allocate(2) == second[:2] and waited == [older]
+    assert (older.queries, newer.queries) == (1, 1)
+    waited.clear()
+    assert pool.allocate(3) == [*second[2:], first[0]] and waited == [older, newer]
+    assert (older.queries, newer.queries) == (2, 2) and pool.free_pages == 3
+    waited.clear()
+    newer.done = True  # the read is over: its pages go lowest first, with no wait
+    assert pool.allocate(3) == first[1:] and waited == [] and pool.free_pages == 0
+    with pytest.raises(PoolExhausted):
+        pool.allocate(1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_page_freed_during_a_read_on_cuda_holds_its_next_owners_stream_on_the_device():
     """On CUDA the wait is on the device: allocate returns at once, another free page goes first, and
