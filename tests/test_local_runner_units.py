@@ -226,17 +226,23 @@ class _Read:
         return self.done
 
 
-def test_a_page_a_save_still_reads_is_written_by_its_next_owner_only_after_the_read(monkeypatch):
-    """The store may copy a saved job's pages to the host on its own stream after they are freed: pages
-    whose read is over go first, and the next owner of one still read has its stream wait for the read
-    (once per read, not per page)."""
-    waited: list[_Read] = []
+@pytest.fixture
+def waited(monkeypatch) -> list[_Read]:
+    """The events the current stream was made to wait for, in order (a CPU stand-in for CUDA's)."""
+    events: list[_Read] = []
 
     class Stream:
         def wait_event(self, event: _Read) -> None:
-            waited.append(event)
+            events.append(event)
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    return events
+
+
+def test_a_page_a_save_still_reads_is_written_by_its_next_owner_only_after_the_read(waited):
+    """The store may copy a saved job's pages to the host on its own stream after they are freed: pages
+    whose read is over go first, and the next owner of one still read has its stream wait for the read
+    (once per read, not per page)."""
     lm = tiny_loaded()
     pool = PagePool(lm.layout, lm.device, 4, 64)
     saved, done_saving = JobKV(pool), JobKV(pool)
@@ -270,17 +276,10 @@ class _CountedRead(_Read):
         return self.done
 
 
-def test_pages_still_read_are_taken_oldest_read_first_with_one_query_per_saved_job(monkeypatch):
+def test_pages_still_read_are_taken_oldest_read_first_with_one_query_per_saved_job(waited):
     """When every free page is still read, the pool asks each save's event once (not each page), takes
     the oldest save's pages first, splits a save's pages between two takers, and makes each taker's
     stream wait for exactly the reads of the pages it got."""
-    waited: list[_Read] = []
-
-    class Stream:
-        def wait_event(self, event: _Read) -> None:
-            waited.append(event)
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     lm = tiny_loaded()
     pool = PagePool(lm.layout, lm.device, 8, 64)
     first, second = pool.allocate(4), pool.allocate(4)

@@ -151,6 +151,11 @@ class Trial:
             raise Skip(f"needs {key!r} from an earlier check that failed or did not run")
         return self.data[key]
 
+    def checks(self, section: int, named: list[tuple[str, Callable[[], str | None]]]) -> None:
+        """A section's checks in order (each one as `check`)."""
+        for name, fn in named:
+            self.check(section, name, fn)
+
     def check(self, section: int, name: str, fn: Callable[[], str | None]) -> None:
         t0 = time.perf_counter()
         try:
@@ -300,8 +305,13 @@ class Trial:
             ok(turn["usage"].completion_tokens > 0, "no completion tokens")
             return f"{time.perf_counter() - t0:.2f}s, answer {short(turn['content'])}"
 
-        self.check(1, "GET /healthz answers 200 with status ok", ready)
-        self.check(1, "first chat request right after start succeeds (local)", first_request)
+        self.checks(
+            1,
+            [
+                ("GET /healthz answers 200 with status ok", ready),
+                ("first chat request right after start succeeds (local)", first_request),
+            ],
+        )
 
     # -- 2. chat completions reuse -----------------------------------------------------------------------
 
@@ -343,11 +353,15 @@ class Trial:
             )
 
         kind = "streamed (include_usage)" if stream else "non-streamed"
-        self.check(
-            2, f"chat {kind} turn 1: local, X-AttentionStore-* headers, cached_tokens == reused", turn1
-        )
-        self.check(
-            2, f"chat {kind} turn 2 of the same conversation: hit, reused > 0, cached_tokens == reused", turn2
+        self.checks(
+            2,
+            [
+                (f"chat {kind} turn 1: local, X-AttentionStore-* headers, cached_tokens == reused", turn1),
+                (
+                    f"chat {kind} turn 2 of the same conversation: hit, reused > 0, cached_tokens == reused",
+                    turn2,
+                ),
+            ],
         )
 
     def s2(self) -> None:
@@ -395,15 +409,20 @@ class Trial:
                 )
             return "turns 1 and 2 equal"
 
-        self.check(
-            3, "temperature 0: turn 2 served from reused KV == full recompute (fresh tenant, miss)", recompute
-        )
-        self.check(
+        self.checks(
             3,
-            "temperature 0: same prompt under a fresh session id (same tenant) answers the same",
-            fresh_session_same_tenant,
+            [
+                (
+                    "temperature 0: turn 2 served from reused KV == full recompute (fresh tenant, miss)",
+                    recompute,
+                ),
+                (
+                    "temperature 0: same prompt under a fresh session id (same tenant) answers the same",
+                    fresh_session_same_tenant,
+                ),
+                ("temperature 0: streamed answers == non-streamed answers", stream_equals_json),
+            ],
         )
-        self.check(3, "temperature 0: streamed answers == non-streamed answers", stream_equals_json)
 
     # -- 4. completions and responses -----------------------------------------------------------------------
 
@@ -522,23 +541,24 @@ class Trial:
             ok(final.output_text, "empty final output_text")
             return f"{len(kinds)} events, text {short(final.output_text)}"
 
-        self.check(4, "/v1/completions (string prompt): local, headers, cached_tokens == reused", completion)
-        self.check(4, "/v1/completions extending the last prompt + answer: hit", completion_extended)
-        self.check(
+        self.checks(
             4,
-            "/v1/completions streamed (include_usage): same text, cached_tokens == reused",
-            completion_stream,
+            [
+                ("/v1/completions (string prompt): local, headers, cached_tokens == reused", completion),
+                ("/v1/completions extending the last prompt + answer: hit", completion_extended),
+                (
+                    "/v1/completions streamed (include_usage): same text, cached_tokens == reused",
+                    completion_stream,
+                ),
+                ("/v1/responses first turn (instructions): resp_ id, session header == id", response_first),
+                (
+                    "/v1/responses previous_response_id follow-up: hit, input cached_tokens == reused",
+                    response_follow_up,
+                ),
+                ("GET /v1/responses/{id} then DELETE, then GET is 404", response_get_delete),
+                ("/v1/responses streamed: documented event sequence", response_stream),
+            ],
         )
-        self.check(
-            4, "/v1/responses first turn (instructions): resp_ id, session header == id", response_first
-        )
-        self.check(
-            4,
-            "/v1/responses previous_response_id follow-up: hit, input cached_tokens == reused",
-            response_follow_up,
-        )
-        self.check(4, "GET /v1/responses/{id} then DELETE, then GET is 404", response_get_delete)
-        self.check(4, "/v1/responses streamed: documented event sequence", response_stream)
 
     # -- 5. anthropic -----------------------------------------------------------------------------------
 
@@ -625,15 +645,16 @@ class Trial:
             ok(doc.get("type") == "error" and doc["error"]["type"] == "invalid_request_error", f"body {doc}")
             return f"{doc['error']['message']!r}"
 
-        self.check(
-            5, "anthropic messages.create, system prompt: local, headers, cache_read == reused", create
+        self.checks(
+            5,
+            [
+                ("anthropic messages.create, system prompt: local, headers, cache_read == reused", create),
+                ("anthropic messages.stream: same text, cache_read == reused", stream),
+                ("anthropic second turn: hit, cache_read_input_tokens > 0", second_turn),
+                ("anthropic count_tokens == input + cache_read + cache_creation of that turn", count_tokens),
+                ("anthropic bad request: 400 in Anthropic's error shape", error_shape),
+            ],
         )
-        self.check(5, "anthropic messages.stream: same text, cache_read == reused", stream)
-        self.check(5, "anthropic second turn: hit, cache_read_input_tokens > 0", second_turn)
-        self.check(
-            5, "anthropic count_tokens == input + cache_read + cache_creation of that turn", count_tokens
-        )
-        self.check(5, "anthropic bad request: 400 in Anthropic's error shape", error_shape)
 
     # -- 6. tools --------------------------------------------------------------------------------------
 
@@ -752,18 +773,20 @@ class Trial:
             )
             return f"{cache} cache_read={msg.usage.cache_read_input_tokens} stop={msg.stop_reason}"
 
-        self.check(
-            6, "openai tools, tool_choice required (tools-template model): valid JSON arguments", required
+        self.checks(
+            6,
+            [
+                ("openai tools, tool_choice required (tools-template model): valid JSON arguments", required),
+                ("openai role:tool follow-up: answers, hit with cached_tokens == reused", tool_follow_up),
+                ("openai named tool_choice, streamed: one whole valid call", named_stream),
+                (
+                    "tools for a model whose template renders none go upstream",
+                    tools_on_a_template_without_tools,
+                ),
+                ("anthropic tools, tool_choice any: a tool_use block with a valid input", anthropic_tools),
+                ("anthropic tool_result follow-up: answers, hit", anthropic_tool_result),
+            ],
         )
-        self.check(6, "openai role:tool follow-up: answers, hit with cached_tokens == reused", tool_follow_up)
-        self.check(6, "openai named tool_choice, streamed: one whole valid call", named_stream)
-        self.check(
-            6, "tools for a model whose template renders none go upstream", tools_on_a_template_without_tools
-        )
-        self.check(
-            6, "anthropic tools, tool_choice any: a tool_use block with a valid input", anthropic_tools
-        )
-        self.check(6, "anthropic tool_result follow-up: answers, hit", anthropic_tool_result)
 
     # -- 7. JSON mode ----------------------------------------------------------------------------------
 
@@ -808,10 +831,15 @@ class Trial:
                 return "400 naming response_format"
             raise Failed("an impossible schema was accepted")
 
-        self.check(7, "response_format json_object: parseable JSON object", json_object)
-        self.check(7, "response_format json_schema strict: validates against the schema", json_schema(False))
-        self.check(7, "response_format json_schema strict, streamed: validates", json_schema(True))
-        self.check(7, "an uncompilable schema is a 400 naming response_format", bad_schema)
+        self.checks(
+            7,
+            [
+                ("response_format json_object: parseable JSON object", json_object),
+                ("response_format json_schema strict: validates against the schema", json_schema(False)),
+                ("response_format json_schema strict, streamed: validates", json_schema(True)),
+                ("an uncompilable schema is a 400 naming response_format", bad_schema),
+            ],
+        )
 
     # -- 8. concurrency ---------------------------------------------------------------------------------
 
@@ -926,20 +954,22 @@ class Trial:
             ok(not misses, f"second turns not hits: {misses}")
             return f"3 clients x 2 conversations x 2 turns in {wall:.1f}s, second turns all hits"
 
-        self.check(
+        self.checks(
             8,
-            "one AsyncOpenAI client, 12 conversations x 3 turns at once: all succeed, turns >= 2 hits",
-            async_clients,
-        )
-        self.check(
-            8,
-            "answers under load == the same prompts alone (temperature 0)",
-            batching_never_changes_an_answer,
-        )
-        self.check(
-            8,
-            "3 separate clients (threads, own keys) at once: all succeed, second turns hits",
-            threaded_clients,
+            [
+                (
+                    "one AsyncOpenAI client, 12 conversations x 3 turns at once: all succeed, turns >= 2 hits",
+                    async_clients,
+                ),
+                (
+                    "answers under load == the same prompts alone (temperature 0)",
+                    batching_never_changes_an_answer,
+                ),
+                (
+                    "3 separate clients (threads, own keys) at once: all succeed, second turns hits",
+                    threaded_clients,
+                ),
+            ],
         )
 
     # -- 9. a long agent loop -----------------------------------------------------------------------------
@@ -1004,9 +1034,14 @@ class Trial:
             ok(not late or min(late) >= 0.7, f"reused share below 70% from turn 5 on: {shares}")
             return f"reused per turn {reused}; share {shares}"
 
-        self.check(9, f"agent loop: {turns} turns of forced tool calls + tool results all succeed", loop)
-        self.check(9, "agent loop: every later turn a hit, cached_tokens == reused", hits)
-        self.check(9, "agent loop: reuse grows every turn, >= 70% of the prompt from turn 5", grows)
+        self.checks(
+            9,
+            [
+                (f"agent loop: {turns} turns of forced tool calls + tool results all succeed", loop),
+                ("agent loop: every later turn a hit, cached_tokens == reused", hits),
+                ("agent loop: reuse grows every turn, >= 70% of the prompt from turn 5", grows),
+            ],
+        )
 
     # -- 10. pass-through ---------------------------------------------------------------------------------
 
@@ -1078,14 +1113,17 @@ class Trial:
             ok(want <= ids, f"/v1/models lists {sorted(ids)}, missing {sorted(want - ids)}")
             return f"{sorted(ids)}"
 
-        self.check(
-            10, "chat for the upstream model, non-stream: upstream, bypass, session_id stripped", chat_json
+        self.checks(
+            10,
+            [
+                ("chat for the upstream model, non-stream: upstream, bypass, session_id stripped", chat_json),
+                ("chat for the upstream model, streamed", chat_stream),
+                ("/v1/embeddings passes through", embeddings),
+                ("/v1/completions for the upstream model passes through", completions_upstream),
+                ("/v1/moderations passes through", moderations),
+                ("/v1/models lists the local models and the upstream's", models),
+            ],
         )
-        self.check(10, "chat for the upstream model, streamed", chat_stream)
-        self.check(10, "/v1/embeddings passes through", embeddings)
-        self.check(10, "/v1/completions for the upstream model passes through", completions_upstream)
-        self.check(10, "/v1/moderations passes through", moderations)
-        self.check(10, "/v1/models lists the local models and the upstream's", models)
 
     # -- 11. errors ---------------------------------------------------------------------------------------
 
@@ -1161,15 +1199,19 @@ class Trial:
             self.local_headers(t["headers"])
             return "healthz 200, a local turn answers"
 
-        self.check(11, "bad JSON body: 400, OpenAI error object, code invalid_json", bad_json)
-        self.check(11, "unknown model with an upstream: forwarded", unknown_model)
-        self.check(
+        self.checks(
             11,
-            "max_tokens -1 on the local model: 400 naming max_tokens, headers present",
-            negative_max_tokens,
+            [
+                ("bad JSON body: 400, OpenAI error object, code invalid_json", bad_json),
+                ("unknown model with an upstream: forwarded", unknown_model),
+                (
+                    "max_tokens -1 on the local model: 400 naming max_tokens, headers present",
+                    negative_max_tokens,
+                ),
+                ("no messages: 400 naming messages", missing_messages),
+                ("after the bad inputs the server still serves", still_alive),
+            ],
         )
-        self.check(11, "no messages: 400 naming messages", missing_messages)
-        self.check(11, "after the bad inputs the server still serves", still_alive)
 
     # -- 12. store endpoints, metrics, log -------------------------------------------------------------------
 
@@ -1232,10 +1274,15 @@ class Trial:
             ok(tracebacks == 0, f"{tracebacks} tracebacks in the server log")
             return f"{len(lines)} turn lines, no keys, no tracebacks"
 
-        self.check(12, "GET /v1/attention_store/stats: per tier used/capacity/entries, hits, misses", stats)
-        self.check(12, "GET /metrics: Prometheus text", metrics)
-        self.check(12, "DELETE /v1/attention_store/sessions/{id}", forget_session)
-        self.check(12, "server log: [AttentionStore] lines, no API keys, no tracebacks", log)
+        self.checks(
+            12,
+            [
+                ("GET /v1/attention_store/stats: per tier used/capacity/entries, hits, misses", stats),
+                ("GET /metrics: Prometheus text", metrics),
+                ("DELETE /v1/attention_store/sessions/{id}", forget_session),
+                ("server log: [AttentionStore] lines, no API keys, no tracebacks", log),
+            ],
+        )
 
 
 NEEDS = {3: {2}}
