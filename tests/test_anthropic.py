@@ -126,6 +126,11 @@ def test_what_the_local_engines_cannot_serve_is_named_not_refused():
     assert "prefill" in (parse({"messages": prefill}).unserved or "")
     bash = {"type": "bash_20250124", "name": "bash"}
     assert "server tools" in (parse({"messages": prefill[:1], "tools": [bash]}).unserved or "")
+    # A tool_choice may name a server tool or want any tool: the turn is the upstream's, not a 400.
+    for choice in ({"type": "tool", "name": "bash"}, {"type": "any"}, {"type": "auto"}):
+        assert "server tools" in (
+            parse({"messages": prefill[:1], "tools": [bash], "tool_choice": choice}).unserved or ""
+        )
 
 
 @pytest.mark.parametrize(
@@ -202,6 +207,9 @@ def test_errors_are_anthropics_so_the_sdk_raises_its_exceptions(start_proxy, mak
     with pytest.raises(anthropic.NotFoundError) as unknown:
         c.messages.create(model="no-such-model", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     assert unknown.value.body["error"]["type"] == "not_found_error"
+    # Named as Anthropic names its answers: the header and the body's request_id, one id.
+    assert unknown.value.request_id and unknown.value.request_id.startswith("req_")
+    assert unknown.value.body["request_id"] == unknown.value.request_id
     with pytest.raises(anthropic.NotFoundError):
         c.messages.count_tokens(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
     broken = http_request("POST", server.url + "/v1/messages", b"{not json", {"x-api-key": "good"})
@@ -272,6 +280,7 @@ def test_text_answers_whole_and_streamed_are_the_same_and_reused(server):
     raw = c.messages.with_raw_response.create(**kwargs)
     done = raw.parse()
     assert raw.headers["X-AttentionStore-Route"] == "local" and done.id.startswith("msg_")
+    assert done._request_id and done._request_id.startswith("req_")  # the request-id header
     assert done.type == "message" and done.role == "assistant" and done.model == MODEL
     assert [b.type for b in done.content] == ["text"] and done.content[0].text
     assert done.stop_reason in ("end_turn", "max_tokens") and done.usage.output_tokens <= 12

@@ -225,15 +225,16 @@ class Converter:
 # -- tools -----------------------------------------------------------------------------------------
 
 
-def convert_tools(body: dict[str, Any], hints: Hints) -> tuple[list[dict[str, Any]], str | None]:
-    """Anthropic tools as OpenAI function tools, and why they cannot be served locally (server tools:
-    bash, web search, ... run by Anthropic)."""
+def convert_tools(body: dict[str, Any], hints: Hints) -> tuple[list[dict[str, Any]], str | None, list[str]]:
+    """Anthropic tools as OpenAI function tools, why they cannot be served locally (server tools:
+    bash, web search, ... run by Anthropic), and every tool's name (server tools' too: a tool_choice
+    may name one, and the turn then goes upstream)."""
     tools = body.get("tools")
     if tools is None:
-        return [], None
+        return [], None, []
     if not isinstance(tools, list):
         raise fail("tools", "Input should be a valid array")
-    out, unserved = [], None
+    out, unserved, names = [], None, []
     for i, raw in enumerate(tools):
         where = f"tools.{i}"
         tool = as_object(raw, where)
@@ -241,6 +242,8 @@ def convert_tools(body: dict[str, Any], hints: Hints) -> tuple[list[dict[str, An
         kind = tool.get("type")
         if kind not in (None, "custom"):
             unserved = unserved or f"{where}: server tools ({kind!r}) are not served locally"
+            if isinstance(tool.get("name"), str):  # the upstream checks the rest of a server tool
+                names.append(tool["name"])
             continue
         name = string(tool, "name", where)
         description = string(tool, "description", where, required=False)
@@ -251,7 +254,8 @@ def convert_tools(body: dict[str, Any], hints: Hints) -> tuple[list[dict[str, An
         if description is not None:
             fn["description"] = description
         out.append({"type": "function", "function": fn})
-    return out, unserved
+        names.append(name)
+    return out, unserved, names
 
 
 def convert_tool_choice(body: dict[str, Any], names: list[str]) -> tuple[Any, bool]:

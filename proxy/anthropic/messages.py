@@ -24,8 +24,8 @@ from ..errors import APIError
 # The paths of Anthropic's API: their errors are in its shape, keys go upstream in x-api-key.
 PATH_PREFIX = "/v1/messages"
 
-# HTTP status -> Anthropic's error type. Statuses Anthropic does not use keep theirs (405, 408, 502,
-# 504) with the type of their class; 503 (the local queue is full) is Anthropic's 529.
+# HTTP status -> Anthropic's error type. Statuses Anthropic does not use keep theirs (405, 408, 502)
+# with the type of their class; 503 (the local queue is full) is Anthropic's 529.
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -34,6 +34,7 @@ ERROR_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
+    504: "timeout_error",
     529: "overloaded_error",
 }
 OVERLOADED = 529
@@ -41,6 +42,15 @@ OVERLOADED = 529
 
 def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+# Anthropic names every answer with a `request-id` header (and an error body's `request_id`): its SDKs
+# read it into `_request_id` and `APIStatusError.request_id`, which users quote to find a request.
+REQUEST_ID_HEADER = "request-id"
+
+
+def new_request_id() -> str:
+    return f"req_{uuid.uuid4().hex[:24]}"
 
 
 def tool_use_id() -> str:
@@ -120,6 +130,6 @@ def error_event(message_text: str, status: int = 500) -> bytes:
     return event("error", error=body["error"])
 
 
-def error_bytes(exc: APIError) -> tuple[int, bytes]:
+def error_bytes(exc: APIError, request_id: str) -> tuple[int, bytes]:
     status, body = error_object(exc.status, exc.message)
-    return status, orjson.dumps(body)
+    return status, orjson.dumps({**body, "request_id": request_id})

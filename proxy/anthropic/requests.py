@@ -152,8 +152,8 @@ def parse_messages(raw: bytes, *, count_only: bool = False) -> MessagesRequest:
     unserved = converter.unserved
     if messages[-1].get("role") == "assistant":
         unserved = unserved or "a final assistant message (a prefill) is not served locally"
-    tools, tools_unserved = convert_tools(body, hints)
-    choice, parallel = convert_tool_choice(body, [t["function"]["name"] for t in tools])
+    tools, tools_unserved, tool_names = convert_tools(body, hints)
+    choice, parallel = convert_tool_choice(body, tool_names)
     chat_body: dict[str, Any] = {"model": body["model"], "messages": chat_messages, **_sampling(body)}
     if max_tokens is not None:
         chat_body["max_tokens"] = max_tokens

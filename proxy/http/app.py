@@ -17,7 +17,7 @@ from ..metrics import METRICS, EngineCollector, Metrics
 from ..settings import SETTINGS, Settings, make_l2_folder
 from ..turns.backend import LOCAL_BACKEND, LocalBackend, local_engine
 from ..upstream.forward import HTTP_CLIENT, upstream_fallback
-from .middleware import error_middleware
+from .middleware import error_middleware, name_anthropic_answers
 from .routes_misc import healthz, list_models
 from .routes_passthrough import PASSTHROUGH_PATH, pass_through
 from .routes_store import delete_session, metrics, stats, stats_by_model
@@ -93,6 +93,7 @@ def build_app(
         # after an early answer (408, 413) the unread rest of a body is drained for 2 s at most, not 10.
         handler_args={"keepalive_timeout": settings.proxy.keepalive_timeout_s, "lingering_time": 2.0},
     )
+    app.on_response_prepare.append(name_anthropic_answers)
     app[SETTINGS] = settings
     app[LOCAL_BACKEND] = None  # until the app starts
     app[SESSION_INDEX] = index or MemorySessionIndex()

@@ -12,7 +12,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from ..anthropic.messages import PATH_PREFIX as ANTHROPIC_PATH_PREFIX
-from ..anthropic.messages import error_bytes
+from ..anthropic.messages import REQUEST_ID_HEADER, error_bytes, new_request_id
 from ..errors import APIError, error_response
 from ..metrics import METRICS
 from ..settings import SETTINGS, replica_id
@@ -71,5 +71,14 @@ def _error_answer(request: web.Request, error: APIError) -> web.Response:
     """The error in the shape of the API the path belongs to."""
     if not request.path.startswith(ANTHROPIC_PATH_PREFIX):
         return error_response(error)
-    status, body = error_bytes(error)
-    return web.Response(status=status, body=body, content_type="application/json", headers=error.headers)
+    request_id = new_request_id()
+    status, body = error_bytes(error, request_id)
+    headers = {**(error.headers or {}), REQUEST_ID_HEADER: request_id}
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+async def name_anthropic_answers(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer on Anthropic's paths carries a `request-id` (the upstream's own where it sent one;
+    an error's is already set, the same as its body's `request_id`)."""
+    if request.path.startswith(ANTHROPIC_PATH_PREFIX) and REQUEST_ID_HEADER not in response.headers:
+        response.headers[REQUEST_ID_HEADER] = new_request_id()
