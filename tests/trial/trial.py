@@ -676,6 +676,29 @@ class Trial:
             self.data["tool-1"] = t
             return f"{call['name']}({call['arguments']}) id={call['id']}"
 
+        def call_under_a_format() -> str:
+            t = self.chat(
+                [{"role": "user", "content": "What's the weather in Oslo?"}],
+                session=self.sid("tools-format"),
+                model=TOOLS_MODEL,
+                tools=TOOLS,
+                response_format={"type": "json_object"},
+                parallel_tool_calls=False,
+                stream=True,
+                max_tokens=60,
+            )
+            self.local_headers(t["headers"], None)
+            if t["tool_calls"]:
+                ok(
+                    len(t["tool_calls"]) == 1 and t["finish"] == "tool_calls",
+                    f"{t['tool_calls']} {t['finish']}",
+                )
+                call = t["tool_calls"][0]
+                jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+                return f"{call['name']}({call['arguments']})"
+            ok(isinstance(json.loads(t["content"]), dict), f"content {t['content']!r}")
+            return f"JSON {t['content'][:60]!r}"
+
         def tool_follow_up() -> str:
             first = self.need("tool-1")
             call = first["tool_calls"][0]
@@ -779,6 +802,10 @@ class Trial:
                 ("openai tools, tool_choice required (tools-template model): valid JSON arguments", required),
                 ("openai role:tool follow-up: answers, hit with cached_tokens == reused", tool_follow_up),
                 ("openai named tool_choice, streamed: one whole valid call", named_stream),
+                (
+                    "openai tools + json_object, auto, no parallel calls, streamed: one call or JSON",
+                    call_under_a_format,
+                ),
                 (
                     "tools for a model whose template renders none go upstream",
                     tools_on_a_template_without_tools,
@@ -1192,6 +1219,18 @@ class Trial:
             ok(err["param"] == "messages", f"param {err['param']!r}")
             return f"{err['code']!r}"
 
+        def stream_options_without_stream() -> str:
+            body = {
+                "model": LOCAL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream_options": {"include_usage": True},
+            }
+            status, _, raw = self.http("POST", url, body, auth)
+            ok(status == 400, f"status {status}: {raw[:200]!r}")
+            err = error_object(raw)
+            ok(err["param"] == "stream_options", f"param {err['param']!r}")
+            return f"{err['message']!r}"
+
         def still_alive() -> str:
             status, _, body = self.http("GET", self.base + "/healthz")
             ok(status == 200, f"healthz {status}")
@@ -1209,6 +1248,7 @@ class Trial:
                     negative_max_tokens,
                 ),
                 ("no messages: 400 naming messages", missing_messages),
+                ("stream_options without stream: OpenAI's 400 naming it", stream_options_without_stream),
                 ("after the bad inputs the server still serves", still_alive),
             ],
         )
