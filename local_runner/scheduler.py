@@ -102,7 +102,7 @@ class Scheduler:
                     "another client needed this request's place in the local queue (this client holds more "
                     "than its share); retry later",
                     status=429,
-                    code="too_many_requests",
+                    code="rate_limit_exceeded",
                     retry_after_s=self.retry_after_s(),
                 )
             )

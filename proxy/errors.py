@@ -6,16 +6,20 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+# OpenAI's `type` per status, as its API answers them (an unknown key: 401 invalid_request_error with
+# code invalid_api_key; an unknown URL or model: 404 invalid_request_error; a rate limit: 429 type
+# "requests", code rate_limit_exceeded; an overload: 503 server_error). The upstream's failures have no
+# OpenAI counterpart: their types name them.
 _TYPES = {
     400: "invalid_request_error",
-    401: "authentication_error",
+    401: "invalid_request_error",
     403: "permission_error",
-    404: "not_found_error",
+    404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
-    429: "rate_limit_error",
+    429: "requests",
     502: "upstream_error",
-    503: "server_overloaded",
+    503: "server_error",
     504: "upstream_timeout",
 }
 

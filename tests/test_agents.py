@@ -95,6 +95,29 @@ def check_required(c: openai.OpenAI) -> None:
         jsonschema.validate(json.loads(calls[0].function.arguments), schemas[calls[0].function.name])
 
 
+def test_tools_with_a_response_format_answer_with_a_call_or_the_format(server):
+    """`tool_choice: auto` with response_format: a call is still possible (the grammar is a call or the
+    format's JSON, as OpenAI's models may do either). On this prompt the greedy answer is a call (under
+    the format's grammar alone it could only be JSON); on a prompt it answers, the JSON parses."""
+    c = client(server)
+    asked = dict(model=MODEL, tools=TOOLS, temperature=0, max_tokens=60)
+    fmt = {"type": "json_object"}
+    weather = [{"role": "user", "content": "What's the weather in Oslo?"}]
+    done = c.chat.completions.create(messages=weather, response_format=fmt, **asked)
+    calls = done.choices[0].message.tool_calls
+    assert done.choices[0].finish_reason == "tool_calls" and calls and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    person = [{"role": "user", "content": "Describe a pilot as JSON with a name and an age."}]
+    fmt_schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    answer = c.chat.completions.create(messages=person, response_format=fmt_schema, **asked).choices[0]
+    if answer.message.tool_calls:
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        call = answer.message.tool_calls[0].function
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    else:
+        jsonschema.validate(json.loads(answer.message.content), PERSON)
+
+
 SUBJECTS = [
     "a pilot",
     "a baker",

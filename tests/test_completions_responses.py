@@ -139,10 +139,40 @@ def test_another_tenants_previous_response_id_is_a_404(serve):
     mine, _ = respond(server, key="key-a", input=QUESTION, max_output_tokens=4)
     with pytest.raises(openai.NotFoundError) as refused:
         respond(server, key="key-b", input=FOLLOW_UP, previous_response_id=mine.id, max_output_tokens=4)
-    assert refused.value.body["code"] == "response_not_found"
+    assert (refused.value.body["code"], refused.value.body["param"]) == (
+        "previous_response_not_found",
+        "previous_response_id",
+    )
     with pytest.raises(openai.NotFoundError):
         client(server, "key-b").responses.retrieve(mine.id)
     assert client(server, "key-a").responses.retrieve(mine.id).id == mine.id
+
+
+def test_truncation_is_the_requests_own_a_conversation_past_the_context_is_a_400_unless_auto(serve):
+    """Responses' `truncation`: "disabled" (OpenAI's default) refuses a conversation past the model's
+    context (400 context_length_exceeded); "auto" drops its oldest turns and answers; the response
+    echoes the value it ran with; anything else is a 400 naming it."""
+    server = serve()
+    long_turns = [
+        {"role": "user", "content": "word " * 4500},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "word " * 4500},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "Say hi."},
+    ]  # about 9,000 tokens: past SmolLM2's 8,192
+    for truncation in (None, "disabled"):
+        extra = {"truncation": truncation} if truncation else {}
+        with pytest.raises(openai.BadRequestError) as refused:
+            respond(server, input=long_turns, max_output_tokens=2, **extra)
+        assert refused.value.body["code"] == "context_length_exceeded"
+    answered, _ = respond(server, input=long_turns, max_output_tokens=2, truncation="auto")
+    assert answered.truncation == "auto" and answered.status in ("completed", "incomplete")
+    assert answered.usage.input_tokens < 8192
+    short, _ = respond(server, input=QUESTION, max_output_tokens=2)
+    assert (short.truncation, short.tool_choice, short.parallel_tool_calls) == ("disabled", "auto", True)
+    with pytest.raises(openai.BadRequestError) as bad:
+        respond(server, input=QUESTION, max_output_tokens=2, truncation="sometimes")
+    assert bad.value.body["param"] == "truncation"
 
 
 def test_the_responses_stream_is_the_documented_event_sequence(serve):

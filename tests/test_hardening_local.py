@@ -140,7 +140,7 @@ async def test_a_client_past_its_share_gets_429_with_retry_after_while_another_w
         )
         displaced = await asyncio.wait_for(queued[1], 60)  # A's newest gives its place to B
         assert displaced.status == 429 and int(displaced.headers["Retry-After"]) >= 1
-        assert orjson.loads(await displaced.read())["error"]["code"] == "too_many_requests"
+        assert orjson.loads(await displaced.read())["error"]["code"] == "rate_limit_exceeded"
         running.close()  # A's first ends; A's second, then B's, are served
         for task in (queued[0], b_task):
             r = await asyncio.wait_for(task, 120)

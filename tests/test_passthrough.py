@@ -293,7 +293,7 @@ def test_the_proxys_own_paths_are_never_forwarded(proxy, fake_upstream):
     ]:
         r = http_request(method, proxy.url + path)
         assert r.status == 404, path
-        assert_openai_error(r.json(), "not_found_error")
+        assert_openai_error(r.json(), "invalid_request_error")
     assert fake_upstream.requests == []
 
 
@@ -311,6 +311,23 @@ def test_without_an_upstream_the_error_names_the_setting(start_proxy, make_setti
         error = assert_openai_error(err.value.response.json(), "invalid_request_error")
         assert error["code"] == "upstream_not_configured"
         assert "llm_endpoint.base_url" in error["message"] and path in error["message"]
+
+
+def test_a_turn_for_a_model_served_nowhere_is_openais_404_model_not_found(start_proxy, make_settings):
+    """Chat, completions and responses for a model neither local nor upstream (no upstream configured):
+    404 model_not_found, as OpenAI answers an unknown model (the SDK's NotFoundError), naming the
+    setting that is missing."""
+    c = client(start_proxy(make_settings()))
+    for call in [
+        lambda: c.chat.completions.create(model="gpt-nowhere", messages=[{"role": "user", "content": "hi"}]),
+        lambda: c.completions.create(model="gpt-nowhere", prompt="hi"),
+        lambda: c.responses.create(model="gpt-nowhere", input="hi"),
+    ]:
+        with pytest.raises(openai.NotFoundError) as err:
+            call()
+        error = assert_openai_error(err.value.response.json(), "invalid_request_error")
+        assert (error["code"], error["param"]) == ("model_not_found", "model")
+        assert "gpt-nowhere" in error["message"] and "llm_endpoint.base_url" in error["message"]
 
 
 def test_a_local_model_without_a_local_implementation_is_a_400(fake_upstream, start_proxy, make_settings):

@@ -243,9 +243,9 @@ async def test_client_disconnect_closes_upstream(proxy, fake_upstream):
     assert closed, "the upstream request was not closed"
 
 
-def test_no_upstream_and_not_local_is_400(start_proxy, make_settings):
+def test_no_upstream_and_not_local_is_openais_404(start_proxy, make_settings):
     server = start_proxy(make_settings())  # no fake_upstream fixture: base_url is ""
-    with pytest.raises(openai.BadRequestError) as err:
+    with pytest.raises(openai.NotFoundError) as err:
         client(server).chat.completions.create(model="gpt-x", messages=MSGS)
     msg = err.value.response.json()["error"]["message"]
     assert "no upstream" in msg and "gpt-x" in msg

@@ -40,6 +40,7 @@ def assert_error(r, status, param=None):
         ({**OK, "messages": [{"role": 1}]}, "messages[0].role"),
         ({**OK, "stream": "yes"}, "stream"),
         ({**OK, "stream_options": 3}, "stream_options"),
+        ({**OK, "stream_options": {"include_usage": True}}, "stream_options"),  # without stream: OpenAI's 400
         ({**OK, "session_id": 12}, "session_id"),
     ],
 )
@@ -64,7 +65,7 @@ def test_unknown_path_and_method_are_json(proxy):
 def test_client_auth(fake_upstream, start_proxy, make_settings):
     server = start_proxy(make_settings(proxy={"api_keys": ["good-key"]}))
     err = assert_error(http_request("POST", server.url + URL, OK), 401)
-    assert err["type"] == "authentication_error"
+    assert (err["type"], err["code"]) == ("invalid_request_error", "invalid_api_key")  # OpenAI's
     assert_error(http_request("POST", server.url + URL, OK, {"Authorization": "Bearer bad"}), 401)
     assert_error(http_request("GET", server.url + "/v1/models", None, {"Authorization": "Bearer bad"}), 401)
     assert http_request("POST", server.url + URL, OK, {"Authorization": "Bearer good-key"}).status == 200

@@ -117,7 +117,7 @@ class Refusing(LocalBackend):
 
 @pytest.mark.parametrize("refusal", ["no key", "over the client's limit", "nowhere to serve it"])
 def test_a_refused_turn(start_proxy, make_settings, log_lines, refusal):
-    # No upstream here: a model that is not local has nowhere to go (a clear 400).
+    # No upstream here: a model that is not local has nowhere to go (OpenAI's 404 model_not_found).
     server = local_proxy_with(start_proxy, make_settings, Refusing(), api_keys=["k"], admin_keys=["admin"])
     auth = {} if refusal == "no key" else {"Authorization": "Bearer k"}
     body = {**LOCAL, "model": "gpt-x"} if refusal == "nowhere to serve it" else LOCAL
@@ -125,7 +125,7 @@ def test_a_refused_turn(start_proxy, make_settings, log_lines, refusal):
     status, route, cache = {
         "no key": (401, "upstream", "bypass"),
         "over the client's limit": (429, "local", "miss"),
-        "nowhere to serve it": (400, "upstream", "bypass"),
+        "nowhere to serve it": (404, "upstream", "bypass"),
     }[refusal]
     assert r.status == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
     headers = store_headers_of(r)

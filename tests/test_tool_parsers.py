@@ -73,3 +73,41 @@ def test_the_format_is_detected_from_the_template():
     assert detect_parser("[TOOL_CALLS]") == "mistral"
     assert detect_parser("<|python_tag|>") == "llama3_json"
     assert detect_parser("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+@pytest.mark.parametrize(
+    "fmt,text",
+    [
+        (
+            "hermes",
+            'First. <tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call> then '
+            '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call> end',
+        ),
+        ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]'),
+    ],
+)
+def test_without_parallel_calls_an_answer_keeps_its_first_call_and_nothing_after(fmt, text, size):
+    """`parallel_tool_calls: false` (max_calls=1): the first call only, in every format, and the text the
+    model wrote after it is dropped, however the answer is streamed."""
+    parser = ToolCallParser(fmt, max_calls=1)
+    content, calls = feed_all(parser, split(text, size))
+    assert calls == [("a", {"x": 1})] and parser.full
+    assert content == ("First. " if fmt == "hermes" else "")
+    # With parallel calls the same text holds both.
+    assert len(feed_all(ToolCallParser(fmt), split(text, size))[1]) == 2
+
+
+def test_without_parallel_calls_a_free_hermes_answer_stops_at_its_first_call_tag():
+    """The stop that ends a free answer at its one call (the parser counts the call without the tag);
+    none for a forced call (its grammar ends after one), for parallel calls, or for other formats."""
+    from proxy.serving.tools import tool_request
+
+    tool = {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}
+    single = tool_request({"tools": [tool], "parallel_tool_calls": False})
+    assert single is not None and single.stops("hermes") == ["</tool_call>"] and single.max_calls == 1
+    assert single.stops("mistral") == []
+    forced = tool_request({"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False})
+    assert forced is not None and forced.stops("hermes") == []
+    parallel = tool_request({"tools": [tool]})
+    assert parallel is not None and parallel.stops("hermes") == [] and parallel.max_calls is None

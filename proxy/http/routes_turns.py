@@ -26,7 +26,7 @@ from ..openai.responses import new_response_id
 from ..serving.response_store import ResponseStore
 from ..settings import SETTINGS
 from ..turns.backend import LOCAL_BACKEND, local_engine
-from ..turns.routing import choose_route
+from ..turns.routing import Route, choose_route
 from ..turns.session import resolve_session
 from ..turns.tenant import tenant_of
 from ..turns.turn import TURN
@@ -59,7 +59,18 @@ async def _route(request: web.Request, req: ApiRequest, *, forwardable: bool = T
         return await backend.handle(request, req, turn)
     if route.kind == "upstream":
         return await forward_chat(request, req, turn)
-    raise APIError(400, f"Cannot serve this request: {route.reason}.", param="model")
+    raise unservable(route)
+
+
+def unservable(route: Route) -> APIError:
+    """Why a turn has nowhere to go: OpenAI's 404 model_not_found for a model neither local nor
+    upstream (its SDK's NotFoundError), else a 400 with the reason (an option the local model does not
+    serve, and no upstream to send it to)."""
+    if route.unknown_model:
+        return APIError(
+            404, f"The model does not exist here: {route.reason}.", param="model", code="model_not_found"
+        )
+    return APIError(400, f"Cannot serve this request: {route.reason}.", param="model")
 
 
 def _session(request: web.Request, req: ApiRequest, fingerprint: Callable[[], str] | None = None) -> str:
@@ -126,7 +137,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
         return web.Response(body=orjson.dumps(body), content_type="application/json")
     if route.kind == "upstream":
         return await forward_upstream(request, body=req.upstream_bytes(), turn=None)
-    raise APIError(400, f"Cannot serve this request: {route.reason}.", param="model")
+    raise unservable(route)
 
 
 def _responses(request: web.Request) -> ResponseStore:
@@ -150,8 +161,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             previous = await _responses(request).get(tenant, req.previous_response_id)
-            if previous is None:
-                raise _not_found(req.previous_response_id)
+            if previous is None:  # OpenAI's code and param (clients such as Codex start over on it)
+                raise APIError(
+                    404,
+                    f"Previous response with id '{req.previous_response_id}' not found.",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
             history = previous.conversation
         req.continue_from(history)
     request[TURN].identify(session=new_response_id(), tenant=tenant, turn=req.turn)

@@ -55,6 +55,9 @@ class ResponsesRequest(ApiRequest):
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool = True
+    # `truncation: "auto"`: a conversation past the context loses its oldest turns (where the server's
+    # truncate_on_overflow allows it); "disabled", OpenAI's default: it is a 400 instead.
+    truncate: bool = False
     # Resolved by the route: the conversation (the previous response's, then the new input) and the
     # prompt's messages (the instructions first: they are not carried over from a previous response).
     conversation: list[dict[str, Any]] = field(default_factory=list)
@@ -146,6 +149,10 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object.", param="stream_options")
+    if options is not None and not stream:  # OpenAI's rule and its words
+        raise bad_request(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options"
+        )
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise bad_request("'n' must be a positive integer.", param="n")
@@ -261,6 +268,9 @@ def parse_responses(raw: bytes) -> ResponsesRequest:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean.", param="stream")
+    truncation = body.get("truncation")
+    if truncation not in (None, "auto", "disabled"):
+        raise bad_request("'truncation' must be 'auto' or 'disabled'.", param="truncation")
     prompt_cache_key(body)
     return ResponsesRequest(
         body=body,
@@ -274,5 +284,6 @@ def parse_responses(raw: bytes) -> ResponsesRequest:
         instructions=instructions,
         previous_response_id=previous,
         store=store,
+        truncate=truncation == "auto",
         retention_hint_s=retention_hint(body),
     )

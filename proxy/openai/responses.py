@@ -76,12 +76,12 @@ class ResponseShape:
             "instructions": self.instructions,
             "model": self.model,
             "output": output,
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": self.request.get("parallel_tool_calls", True) is not False,
             "previous_response_id": self.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
             "store": self.store,
             "text": {"format": {"type": "text"}},
-            "tool_choice": "auto",
+            "tool_choice": self.request.get("tool_choice") or "auto",  # "none" or "auto" when local
             "tools": [],
             "usage": usage,
         }

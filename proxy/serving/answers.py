@@ -77,7 +77,9 @@ class Answer:
         """Every choice has ended: the stream's last bytes (`total`: the turn's tokens, all choices)."""
         raise NotImplementedError
 
-    def failure(self, message: str) -> bytes:
+    def failure(self, message: str, status: int = 500) -> bytes:
+        """The in-band error of a stream that already began (`status`: what the error would have been
+        had it come before the first byte)."""
         return sse_error(message)
 
     def ended_in_tool_calls(self) -> bool:
@@ -283,7 +285,7 @@ class ResponsesAnswer(Answer):
             + self.shape.event(kind, response=final)
         )
 
-    def failure(self, message: str) -> bytes:
+    def failure(self, message: str, status: int = 500) -> bytes:
         failed = self.shape.response("failed", [], error={"code": "server_error", "message": message})
         return self.shape.event("response.failed", response=failed)
 
@@ -345,7 +347,7 @@ async def write_answer(
         elif isinstance(event, Failed):
             if stream is None:
                 raise APIError(max(event.status, 500), event.message, type_="server_error")
-            await stream.write(answer.failure(event.message))
+            await stream.write(answer.failure(event.message, event.status))
             await stream.write_eof()
             return stream
         if stream is not None and out:

@@ -42,8 +42,11 @@ class MessagesAnswer(Answer):
         prompt: int,
         reused: int,
         tools: ToolCallParser | None = None,
+        stop_sequences: tuple[str, ...] = (),
     ) -> None:
         super().__init__(stream=stream)
+        # The client's own: a stop string the proxy adds (the end of a call) is never reported as one.
+        self.stop_sequences = stop_sequences
         self.id = wire.new_message_id()
         self.model = model
         self.accounting = accounting
@@ -82,8 +85,8 @@ class MessagesAnswer(Answer):
         delta = {"stop_reason": self._stop_reason(total), "stop_sequence": self._stop_sequence(total)}
         return wire.event("message_delta", delta=delta, usage=self._usage(total)) + wire.event("message_stop")
 
-    def failure(self, message: str) -> bytes:
-        return wire.error_event(message)
+    def failure(self, message: str, status: int = 500) -> bytes:
+        return wire.error_event(message, status)  # Anthropic's SDKs choose the exception by its type
 
     def body(self, total: Finished) -> dict[str, Any]:
         return wire.message(
@@ -141,7 +144,7 @@ class MessagesAnswer(Answer):
             return "tool_use"
         if total.finish_reason == "length":
             return "max_tokens"
-        return "stop_sequence" if total.stop_sequence else "end_turn"
+        return "stop_sequence" if total.stop_sequence in self.stop_sequences else "end_turn"
 
     def _stop_sequence(self, total: Finished) -> str | None:
         return total.stop_sequence if self._stop_reason(total) == "stop_sequence" else None

@@ -49,6 +49,8 @@ def _chat_unsupported(body: dict[str, Any], setup: ChatSetup) -> str | None:
         return "audio is not served locally"
     if body.get("prediction") or body.get("web_search_options"):
         return "prediction and web search are not served locally"
+    if body.get("reasoning_effort") is not None or body.get("verbosity") is not None:
+        return "reasoning_effort and verbosity are not served locally (the local models do not reason)"
     for i, msg in enumerate(body["messages"]):
         if msg.get("role") not in ("system", "developer", "user", "assistant", "tool"):
             return f"messages[{i}]: role {msg.get('role')!r} is not served locally"

@@ -44,17 +44,25 @@ class PromptBuilder:
         return per_token
 
     async def chat(
-        self, model: str, messages: Sequence[dict[str, Any]], reserve: int, chat: PromptFormat = PLAIN
+        self,
+        model: str,
+        messages: Sequence[dict[str, Any]],
+        reserve: int,
+        chat: PromptFormat = PLAIN,
+        *,
+        may_truncate: bool = True,
     ) -> RenderedPrompt:
         """The conversation through the model's chat template, `reserve` tokens left for the answer; a
-        prompt that certainly cannot fit is refused before tokenizing."""
+        prompt that certainly cannot fit is refused before tokenizing. Its oldest turns are dropped to
+        fit where the server truncates on overflow and the request allows it (`may_truncate`)."""
+        truncate = self.truncate and may_truncate
         limit = self.engine.context_limit(model)
         kept = precheck_prompt(
             model,
             messages,
             limit=limit,
             max_chars_per_token=await self._chars_bound(model),
-            truncate=self.truncate,
+            truncate=truncate,
         )
 
         def render() -> RenderedPrompt:
@@ -64,7 +72,7 @@ class PromptBuilder:
                 model=model,
                 limit=limit,
                 reserve=reserve,
-                truncate=self.truncate,
+                truncate=truncate,
                 chat=chat,
             )
             # Messages the character bound dropped before tokenizing count as dropped too.

@@ -55,6 +55,7 @@ from .structured import response_format_grammar
 from .tools import (
     ToolCallParser,
     ToolRequest,
+    call_or_answer_grammar,
     detect_parser,
     forced_call_grammar,
     renders_tools,
@@ -75,7 +76,7 @@ def client_id(request: web.Request) -> str:
 def too_many(message: str, retry_after_s: float | None) -> APIError:
     """429 past a client's fair share of the local queue, with when to retry."""
     seconds = max(1, math.ceil(retry_after_s or 1))
-    return APIError(429, message, code="too_many_requests", headers={"Retry-After": str(seconds)})
+    return APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": str(seconds)})
 
 
 def refused(failed: Failed) -> APIError:
@@ -217,18 +218,21 @@ class LocalServing:
         if isinstance(req, ChatRequest | ResponsesRequest):
             rendered_tools = tools.tools if tools is not None and tools.choice != "none" else ()
             chat = PromptFormat(rendered_tools, self.setup(req.model).template)
-            return await self.prompts.chat(req.model, req.messages, reserve, chat)
+            may_truncate = not isinstance(req, ResponsesRequest) or req.truncate
+            return await self.prompts.chat(req.model, req.messages, reserve, chat, may_truncate=may_truncate)
         raise TypeError(f"no local serving for {type(req).__name__}")
 
     def _grammar(self, req: ApiRequest, tools: ToolRequest | None) -> str | None:
-        """The grammar the answer is decoded under: a forced tool call, else response_format's JSON."""
+        """The grammar the answer is decoded under: a forced tool call, else response_format's JSON (or
+        a call, when the choice of one is free)."""
+        parser = self.setup(req.model).parser
         if tools is not None and tools.choice in ("required", "named"):
-            parser = self.setup(req.model).parser
             assert parser is not None  # supports() sent tools without a parser elsewhere
             return forced_call_grammar(tools, parser)
-        if isinstance(req, ChatRequest):
-            return response_format_grammar(req.body)
-        return None
+        answer = response_format_grammar(req.body) if isinstance(req, ChatRequest) else None
+        if answer is not None and tools is not None and tools.choice == "auto" and parser is not None:
+            return call_or_answer_grammar(tools, parser, answer)
+        return answer
 
     def _may_overflow(self, req: ApiRequest) -> bool:
         """Whether a miss at a full queue may go upstream instead. Never a Responses turn: its id (and
@@ -248,6 +252,9 @@ class LocalServing:
         if isinstance(req, MessagesRequest):
             sampling.stop = list(req.stop_sequences)  # Anthropic allows more than OpenAI's four
         sampling.grammar = self._grammar(served, tools)
+        parser = self.setup(req.model).parser
+        if tools is not None and parser is not None:
+            sampling.stop += tools.stops(parser)
         rendered = await self._render(served, sampling.max_tokens, tools)
         # A Responses turn continues the conversation its previous response holds.
         named = req.previous_response_id if isinstance(req, ResponsesRequest) else None
@@ -312,6 +319,7 @@ class LocalServing:
         fingerprint = f"fp_attnstore_{self.engine.fingerprint(req.model)}"
         parser = self.setup(req.model).parser
         parses_calls = bool(tools and tools.choice != "none" and parser)
+        max_calls = tools.max_calls if tools is not None else None
         if isinstance(req, MessagesRequest):
             return MessagesAnswer(
                 req.model,
@@ -319,7 +327,8 @@ class LocalServing:
                 accounting=self.accounting,
                 prompt=turn.prompt,
                 reused=turn.reused,
-                tools=ToolCallParser(parser) if parses_calls and parser else None,
+                tools=ToolCallParser(parser, max_calls) if parses_calls and parser else None,
+                stop_sequences=tuple(req.stop_sequences),
             )
         if isinstance(req, ResponsesRequest):
             return ResponsesAnswer(
@@ -335,7 +344,7 @@ class LocalServing:
             stream=req.stream,
             include_usage=req.include_usage,
             n=n,
-            tools=functools.partial(ToolCallParser, parser) if parses_calls and parser else None,
+            tools=functools.partial(ToolCallParser, parser, max_calls) if parses_calls and parser else None,
             decode=self._decoder(req.model) if logprobs else None,
         )
 

@@ -16,6 +16,7 @@ holds that call, re-renders to the same tokens and reuses its KV.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Sequence
@@ -51,6 +52,10 @@ def new_call_id() -> str:
 # -- the request --------------------------------------------------------------------------------------
 
 
+# A hermes call's start and end tags.
+HERMES_CALL = ("<tool_call>", "</tool_call>")
+
+
 @dataclass(frozen=True)
 class ToolRequest:
     """A chat request's tools, validated: what the template renders and what the answer may call."""
@@ -59,6 +64,19 @@ class ToolRequest:
     choice: str  # "none" | "auto" | "required" | "named"
     named: str | None = None  # the function a named choice forces
     parallel: bool = True
+
+    @property
+    def max_calls(self) -> int | None:
+        """The calls an answer may hold: one without parallel calls, else any number."""
+        return None if self.parallel else 1
+
+    def stops(self, parser: str) -> list[str]:
+        """Stop strings that end the answer once its one call is written (`parallel_tool_calls: false`
+        with a free choice; a forced call's grammar already ends after one): a format whose calls
+        close with a tag stops at that tag, and the parser counts the call as whole without it."""
+        if self.parallel or self.choice != "auto" or parser != "hermes":
+            return []
+        return [HERMES_CALL[1]]
 
     def schemas(self) -> dict[str, dict[str, Any]]:
         return {
@@ -137,6 +155,16 @@ def forced_call_grammar(req: ToolRequest, parser: str) -> str:
     return str(call)
 
 
+def call_or_answer_grammar(req: ToolRequest, parser: str, answer: str) -> str:
+    """A free choice (`auto`) with response_format: the answer is one call of any tool, or the text
+    `answer`'s grammar allows (the format's JSON), as OpenAI's models may call a tool or answer in the
+    format. Without it, the format's grammar alone would leave no way to write a call."""
+    import xgrammar as xgr
+
+    call = forced_call_grammar(dataclasses.replace(req, choice="required", named=None), parser)
+    return str(xgr.Grammar.union(xgr.Grammar.from_ebnf(call), xgr.Grammar.from_ebnf(answer)))
+
+
 def _literal(text: str) -> Any:
     import xgrammar as xgr
 
@@ -169,19 +197,31 @@ class Parsed:
 
 class ToolCallParser:
     """Streaming parser: `feed` text as it comes, `finish` at the end. Text that could be the start of a
-    call is held back until it is known; a call goes out whole once its end is seen."""
+    call is held back until it is known; a call goes out whole once its end is seen.
 
-    def __init__(self, parser: str) -> None:
+    `max_calls` (1 for `parallel_tool_calls: false`, Anthropic's `disable_parallel_tool_use`): calls
+    past it, and everything the answer says after the last one allowed, are dropped, so a client that
+    asked for one call never gets two."""
+
+    def __init__(self, parser: str, max_calls: int | None = None) -> None:
         self.format = parser
+        self.max_calls = max_calls
         self._buffer = ""
         self._in_call = False
         self.calls: list[ToolCall] = []
         self.content: list[str] = []
 
+    @property
+    def full(self) -> bool:
+        """Whether the answer holds every call it may: the rest of it is dropped."""
+        return self.max_calls is not None and len(self.calls) >= self.max_calls
+
     # The markers of each format: (start, end); an end of None runs to the end of the answer.
-    _MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "mistral": ("[TOOL_CALLS]", None)}
+    _MARKERS = {"hermes": HERMES_CALL, "mistral": ("[TOOL_CALLS]", None)}
 
     def feed(self, text: str) -> Parsed:
+        if self.full:
+            return Parsed()
         self._buffer += text
         if self.format == "text":  # an answer that turned out to hold no call
             out, self._buffer = Parsed(self._buffer), ""
@@ -211,6 +251,9 @@ class ToolCallParser:
             calls.extend(self._parse(self._buffer[:at]) or [])
             self._buffer = self._buffer[at + len(end) :]
             self._in_call = False
+            if self.max_calls is not None and len(self.calls) + len(calls) >= self.max_calls:
+                self._buffer = ""  # the rest of the answer is dropped
+                break
         out.calls = tuple(calls)
         self._record(out)
         return out
@@ -233,7 +276,9 @@ class ToolCallParser:
         counts an unclosed `<tool_call>`, else it is text); what was held back goes out."""
         rest, self._buffer = self._buffer, ""
         out = Parsed()
-        if self.format == "text":
+        if self.full:
+            pass
+        elif self.format == "text":
             out = Parsed(rest)
         elif self.format == "llama3_json":
             body = rest.strip().removeprefix("<|python_tag|>")
@@ -257,6 +302,9 @@ class ToolCallParser:
         return _calls_from_json(doc, "parameters" if self.format == "llama3_json" else "arguments")
 
     def _record(self, out: Parsed) -> None:
+        """Keep what `out` says, cut to the calls allowed (in place: the caller sends `out`)."""
+        if self.max_calls is not None:
+            out.calls = out.calls[: max(0, self.max_calls - len(self.calls))]
         if out.content:
             self.content.append(out.content)
         self.calls.extend(out.calls)

@@ -1,5 +1,5 @@
 """Decide where a turn (chat, completion, response) goes: the local backend, the upstream, or nowhere
-(a clear 400)."""
+(a clear 400, or OpenAI's 404 model_not_found for a model neither local nor upstream)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,16 @@ class Route:
     kind: Literal["local", "upstream", "none"]
     # Why the request is not local (None for a local route); shown to the client when kind == "none".
     reason: str | None = None
+    # A model this proxy does not serve at all: not local, and no upstream to ask.
+    unknown_model: bool = False
 
 
 def choose_route(settings: Settings, req: ApiRequest, backend: LocalBackend | None) -> Route:
     lr = settings.local_runner
     reason: str | None
-    if backend is not None and lr.enabled and req.model in lr.models:
+    local_model = backend is not None and lr.enabled and req.model in lr.models
+    if local_model:
+        assert backend is not None
         reason = backend.supports(req)
         if reason is None:
             return Route("local")
@@ -29,4 +33,8 @@ def choose_route(settings: Settings, req: ApiRequest, backend: LocalBackend | No
         reason = f"model {req.model!r} is not served locally"
     if settings.llm_endpoint.base_url:
         return Route("upstream", reason)
-    return Route("none", f"{reason} and no upstream is configured (llm_endpoint.base_url is empty)")
+    return Route(
+        "none",
+        f"{reason} and no upstream is configured (llm_endpoint.base_url is empty)",
+        unknown_model=not local_model,
+    )
