@@ -296,6 +296,10 @@ def test_text_answers_whole_and_streamed_are_the_same_and_reused(server):
     assert final.usage.cache_read_input_tokens == reused >= prompt_total(done.usage) - CHUNK
     assert prompt_total(final.usage) == prompt_total(done.usage)
     assert done.usage.cache_creation_input_tokens >= prompt_total(done.usage) - CHUNK  # stored for reuse
+    # No ttl asked: what it stored counts as a 5-minute cache write.
+    assert done.usage.cache_creation is not None and done.usage.service_tier == "standard"
+    assert done.usage.cache_creation.ephemeral_5m_input_tokens == done.usage.cache_creation_input_tokens
+    assert done.usage.cache_creation.ephemeral_1h_input_tokens == 0
 
 
 @pytest.mark.model
@@ -388,7 +392,7 @@ def test_a_cache_control_hint_and_a_tool_use_answer_retain_the_session(server):
     )
     assert retained() == 0
     hinted = {**hi, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
-    c.messages.create(
+    hour = c.messages.create(
         model=MODEL,
         max_tokens=4,
         extra_body=GREEDY,
@@ -396,6 +400,9 @@ def test_a_cache_control_hint_and_a_tool_use_answer_retain_the_session(server):
         extra_headers={"X-Session-Id": "hinted"},
     )
     assert retained() == 1
+    assert hour.usage.cache_creation is not None  # stored under a 1h ttl: an hour's cache write
+    assert hour.usage.cache_creation.ephemeral_1h_input_tokens == hour.usage.cache_creation_input_tokens
+    assert hour.usage.cache_creation.ephemeral_5m_input_tokens == 0
     done, _ = tool_turn(
         c,
         [{"role": "user", "content": "Find the parser."}],

@@ -73,13 +73,22 @@ class CacheAccounting:
         fed = prompt if completion is None else prompt + max(0, completion - 1)
         return min(prompt, fed // self.chunk_tokens * self.chunk_tokens)
 
-    def usage(self, prompt: int, reused: int, output: int, stored: int) -> dict[str, int]:
+    def usage(
+        self, prompt: int, reused: int, output: int, stored: int, *, hour: bool = False
+    ) -> dict[str, Any]:
+        """Anthropic's usage object. `hour`: the turn asked for a 1h cache (`cache_control.ttl`), so
+        what it stored counts as written for an hour (`cache_creation`'s split), else for 5 minutes."""
         creation = max(0, stored - reused)
         return {
             "input_tokens": max(0, prompt - reused - creation),
             "output_tokens": output,
             "cache_read_input_tokens": reused,
             "cache_creation_input_tokens": creation,
+            "cache_creation": {
+                "ephemeral_5m_input_tokens": 0 if hour else creation,
+                "ephemeral_1h_input_tokens": creation if hour else 0,
+            },
+            "service_tier": "standard",
         }
 
 
@@ -87,7 +96,7 @@ def message(
     msg_id: str,
     model: str,
     content: list[dict[str, Any]],
-    usage: dict[str, int],
+    usage: dict[str, Any],
     stop_reason: str | None = None,
     stop_sequence: str | None = None,
 ) -> dict[str, Any]:

@@ -43,10 +43,12 @@ class MessagesAnswer(Answer):
         reused: int,
         tools: ToolCallParser | None = None,
         stop_sequences: tuple[str, ...] = (),
+        hour: bool = False,
     ) -> None:
         super().__init__(stream=stream)
         # The client's own: a stop string the proxy adds (the end of a call) is never reported as one.
         self.stop_sequences = stop_sequences
+        self.hour = hour  # the turn asked for a 1h cache: usage counts what it stored as such
         self.id = wire.new_message_id()
         self.model = model
         self.accounting = accounting
@@ -62,7 +64,7 @@ class MessagesAnswer(Answer):
 
     def opening(self) -> bytes:
         stored = self.accounting.stored_prompt_tokens(self.prompt, None)
-        usage = self.accounting.usage(self.prompt, self.reused, 0, stored)
+        usage = self.accounting.usage(self.prompt, self.reused, 0, stored, hour=self.hour)
         start = wire.message(self.id, self.model, [], usage)
         return wire.event("message_start", message=start) + wire.event("ping")
 
@@ -149,12 +151,12 @@ class MessagesAnswer(Answer):
     def _stop_sequence(self, total: Finished) -> str | None:
         return total.stop_sequence if self._stop_reason(total) == "stop_sequence" else None
 
-    def _usage(self, total: Finished) -> dict[str, int]:
+    def _usage(self, total: Finished) -> dict[str, Any]:
         stored = (
             self.accounting.stored_prompt_tokens(total.prompt_tokens, total.completion_tokens)
             if total.chunk_keys
             else 0
         )
         return self.accounting.usage(
-            total.prompt_tokens, total.reused_tokens, total.completion_tokens, stored
+            total.prompt_tokens, total.reused_tokens, total.completion_tokens, stored, hour=self.hour
         )

@@ -34,6 +34,7 @@ from engine_api.prompt import PromptFormat, RenderedPrompt, render_prompt
 from engine_api.turn import Event, Failed, Finished, FirstToken, GenerationRequest
 from kvtier.tier_names import TIERS, Tier
 
+from ..anthropic.content import CACHE_TTLS
 from ..anthropic.messages import CacheAccounting
 from ..anthropic.requests import MessagesRequest
 from ..cluster.session_index import SessionIndex, SessionRecord
@@ -329,6 +330,7 @@ class LocalServing:
                 reused=turn.reused,
                 tools=ToolCallParser(parser, max_calls) if parses_calls and parser else None,
                 stop_sequences=tuple(req.stop_sequences),
+                hour=(req.retention_hint_s or 0) >= CACHE_TTLS["1h"],
             )
         if isinstance(req, ResponsesRequest):
             return ResponsesAnswer(
