@@ -34,6 +34,26 @@ async def store_turn(lm, path, ids, n) -> None:
         engine.close()
 
 
+def test_the_window_is_fetched_whenever_preload_is_on_whatever_the_eviction():
+    """settings.json -> the engine: `preload.enabled` alone turns fetching on (its window of
+    `lookahead_turns`); `scheduler_aware.enabled` is the eviction's and leaves fetching as it is."""
+    import orjson
+
+    from proxy.settings import parse_settings
+
+    def settings(**store: dict):
+        return parse_settings(orjson.dumps({"attention_store": store}), check_paths=False)
+
+    def config(**store: dict):
+        return engine_config(settings(**store))
+
+    default = config()
+    assert default.lookahead == settings().attention_store.preload.lookahead_turns > 0
+    unaware = config(scheduler_aware={"enabled": False}, preload={"lookahead_turns": 3})
+    assert unaware.lookahead == 3 and not unaware.scheduler_aware
+    assert config(preload={"enabled": False}).lookahead == 0
+
+
 async def test_a_window_jobs_kv_is_fetched_from_disk_while_another_job_runs(tmp_path):
     lm = tiny_loaded(model=tiny_llama(seed=11))
     first = ids_of(lm, "a first question about tiers and disks")

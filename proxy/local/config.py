@@ -29,7 +29,9 @@ def engine_config(settings: Settings | None = None, **fields: Any) -> EngineConf
         batch_invariant=None if lr.batch_invariant == "auto" else bool(lr.batch_invariant),
         compile=lr.compile,
         kv_budget_bytes=lr.max_running_kv_mb * MB,
-        lookahead=preload.lookahead_turns if (preload.enabled and aware.enabled) else 0,
+        # Fetching follows preload alone (docs/tiering.md, as the vLLM engine's); scheduler_aware is
+        # the eviction's, which then protects the fetched chunks too.
+        lookahead=preload.lookahead_turns if preload.enabled else 0,
         scheduler_aware=aware.enabled,
         overlap_with_compute=preload.enabled and preload.overlap_with_compute,
         evict_on_pressure=aware.evict_on_pressure,
