@@ -433,6 +433,12 @@ def chat_templates(settings: Settings, base_dir: Path) -> dict[str, str]:
     }
 
 
+def tier_bytes_per_model(settings: Settings, capacity_mb: float) -> int:
+    """A tier's capacity for each local model's store: the setting is the tier's whole size, shared
+    evenly by the models (each keeps its own store), so N models never hold N times what was set."""
+    return int(capacity_mb * MB) // max(1, len(settings.local_runner.models))
+
+
 def replica_id(settings: Settings) -> str:
     """This replica's name in the session index: proxy.replica_id, else host:port (unique per container)."""
     return settings.proxy.replica_id or f"{socket.gethostname()}:{settings.proxy.port}"

@@ -165,3 +165,39 @@ def test_vllms_stream_reads_as_deltas_finish_and_usage():
     ]
     assert parse_event(b'data: {"error":{"message":"boom"}}') == [StreamError("boom")]
     assert parse_event(b"data: [DONE]") == [] and parse_event(b"\n") == [] and parse_event(b": ping") == []
+
+
+def test_a_tiers_capacity_is_shared_by_the_local_models_of_either_engine(tmp_path):
+    """Each local model keeps its own store (and, on vLLM, its own server): a tier's capacity_mb is the
+    tier's whole size, split evenly between them, never held once per model."""
+    from proxy.local.build import open_stores
+    from tests.tiny_model import tiny_loaded
+
+    tiers = {"l0_gpu": {"capacity_mb": 256}, "l1_host": {"capacity_mb": 64}, "l2_disk": {"capacity_mb": 1024}}
+    two = {"a": "/a.gguf", "b": "/b.gguf"}
+    embedded = parse_settings(
+        orjson.dumps({"local_runner": {"models": two}, "attention_store": {"tiering": tiers}}),
+        tmp_path,
+        env={},
+        check_paths=False,
+    )
+    lm = tiny_loaded()
+    stores = open_stores(embedded, {"a": lm, "b": lm}, base_dir=tmp_path)
+    try:
+        for store in stores.values():
+            config = store.config
+            assert (config.l0_capacity_bytes, config.l1_capacity_bytes, config.l2_capacity_bytes) == (
+                128 << 20,
+                32 << 20,
+                512 << 20,
+            )
+    finally:
+        for store in stores.values():
+            store.close()
+    on_vllm = settings(
+        tmp_path, local_runner={**VLLM, "models": two}, attention_store={"tiering": tiers, **NO_DECOUPLE}
+    )
+    config = vllm_config(on_vllm, tmp_path)
+    assert config.kv_cache_bytes == 128 << 20 and config.connector is not None
+    assert config.connector["l1_capacity_bytes"] == 32 << 20
+    assert config.connector["l2_capacity_bytes"] == 512 << 20

@@ -18,7 +18,7 @@ from local_runner.loader import LoadedModel, load_model
 
 from ..cluster.session_index import SessionIndex
 from ..serving.service import LocalServing, UpstreamFallback
-from ..settings import MB, EmbeddedRunnerSettings, Settings, resolve_path, runner_settings
+from ..settings import EmbeddedRunnerSettings, Settings, resolve_path, runner_settings, tier_bytes_per_model
 from .config import engine_config
 
 
@@ -41,7 +41,8 @@ def load_models(settings: Settings, base_dir: Path | None = None) -> dict[str, L
 def open_stores(
     settings: Settings, models: Mapping[str, LoadedModel], base_dir: Path | None = None
 ) -> dict[str, KVStore]:
-    """One store per model: keys carry the model's fingerprint, so models may share the L2 folder."""
+    """One store per model: keys carry the model's fingerprint, so models may share the L2 folder; each
+    tier's capacity is shared evenly by the models' stores."""
     store_settings = settings.attention_store
     if not store_settings.enabled:
         return {}
@@ -51,11 +52,11 @@ def open_stores(
         name: KVStore(
             StoreConfig(
                 device=lm.device,
-                l0_capacity_bytes=int(tiering.l0_gpu.capacity_mb * MB),
+                l0_capacity_bytes=tier_bytes_per_model(settings, tiering.l0_gpu.capacity_mb),
                 l0_eviction=tiering.l0_gpu.eviction,
-                l1_capacity_bytes=int(tiering.l1_host.capacity_mb * MB),
+                l1_capacity_bytes=tier_bytes_per_model(settings, tiering.l1_host.capacity_mb),
                 l1_eviction=tiering.l1_host.eviction,
-                l2_capacity_bytes=int(tiering.l2_disk.capacity_mb * MB),
+                l2_capacity_bytes=tier_bytes_per_model(settings, tiering.l2_disk.capacity_mb),
                 l2_path=l2,
                 l2_format=tiering.l2_disk.format,
                 drop_page_cache=settings.local_runner.l2_drop_page_cache,

@@ -23,7 +23,14 @@ from typing import Any
 
 from vllm_engine.launch import VllmConfig
 
-from ..settings import MB, Settings, VllmRunnerSettings, replica_id, resolve_path, runner_settings
+from ..settings import (
+    Settings,
+    VllmRunnerSettings,
+    replica_id,
+    resolve_path,
+    runner_settings,
+    tier_bytes_per_model,
+)
 
 
 def connector_options(settings: Settings, base_dir: Path) -> dict[str, Any]:
@@ -31,8 +38,9 @@ def connector_options(settings: Settings, base_dir: Path) -> dict[str, Any]:
     store = settings.attention_store
     tiering = store.tiering
     return {
-        "l1_capacity_bytes": int(tiering.l1_host.capacity_mb * MB),
-        "l2_capacity_bytes": int(tiering.l2_disk.capacity_mb * MB),
+        # Each model's server has its own store: a tier's capacity is shared evenly by them.
+        "l1_capacity_bytes": tier_bytes_per_model(settings, tiering.l1_host.capacity_mb),
+        "l2_capacity_bytes": tier_bytes_per_model(settings, tiering.l2_disk.capacity_mb),
         "l2_path": str(resolve_path(tiering.l2_disk.path, base_dir)),
         "chunk_tokens": settings.local_runner.kv_chunk_tokens,
         "async_save": store.preload.async_save,
@@ -68,7 +76,7 @@ def vllm_config(settings: Settings, base_dir: Path) -> VllmConfig:
         max_context_tokens=store.position_encoding.max_context_tokens,
         # The KV: the store under vLLM (the connector's options; None: off), and vLLM's own memory (l0).
         connector=connector_options(settings, base_dir) if store.enabled else None,
-        kv_cache_bytes=int(store.tiering.l0_gpu.capacity_mb * MB),
+        kv_cache_bytes=tier_bytes_per_model(settings, store.tiering.l0_gpu.capacity_mb),
         # Its files and its start.
         cache_dir=cache_dir,
         log_dir=cache_dir.parent / "vllm",
