@@ -278,7 +278,8 @@ def parse_responses(raw: bytes) -> ResponsesRequest:
         model=body["model"],
         stream=bool(stream),
         include_usage=True,  # a Responses stream always ends with the usage (response.completed)
-        turn=0,
+        # The log's turn of the input alone; a local turn counts its whole conversation (continue_from).
+        turn=count_turn(messages) if messages else 0,
         input_messages=messages,
         unserved=unserved,
         instructions=instructions,
