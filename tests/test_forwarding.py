@@ -33,10 +33,15 @@ MODEL = "local-model"
 
 
 class Load:
-    """The engine as forwarding sees it: its load (jobs queued or running); no prompt bound, no stats."""
+    """The engine as forwarding sees it: its load (jobs queued or running); no prompt bound, no stats.
+    `held`: the sessions (tenant, session) -> chunks it holds, which a DELETE forgets."""
 
     def __init__(self, jobs: int) -> None:
         self.jobs = jobs
+        self.held: dict[tuple[str, str], int] = {}
+
+    def forget_session(self, tenant: str, session: str) -> int:
+        return self.held.pop((tenant, session), 0)
 
     def load(self) -> int:
         return self.jobs
@@ -264,6 +269,35 @@ def test_the_heartbeat_announces_address_and_load_and_is_withdrawn_at_stop(repli
     assert info is not None and info.url == x.url
     x.stop()
     assert heartbeat_of(redis_server.url, "replica-x") is None  # gone at once, not after its TTL
+
+
+def test_a_session_deleted_on_one_replica_is_forgotten_by_every_live_one(replica, redis_server):
+    """DELETE /v1/attention_store/sessions/{id} on one replica: the others drop their own copies too
+    (each holds its memory tiers apart), once each, with the caller's key; a dead replica costs nothing."""
+    here, there, other = StandIn("replica-x"), StandIn("replica-o"), StandIn("replica-p")
+    x, _ = replica("replica-x", here)
+    replica("replica-o", there)
+    replica("replica-p", other)
+    for name in ("replica-o", "replica-p"):
+        wait_until(lambda name=name: heartbeat_of(redis_server.url, name), f"{name}'s heartbeat", 10)
+    announce(redis_server.url, "replica-dead", ReplicaInfo(url="http://127.0.0.1:1"))
+    here.engine.held[(TENANT, "conv")] = 2
+    there.engine.held[(TENANT, "conv")] = 3
+    there.engine.held[("another-tenant", "conv")] = 7  # another tenant's session of the same name
+    url = x.url + "/v1/attention_store/sessions/conv"
+    r = urllib3.request("DELETE", url, headers=AUTH, timeout=30, retries=False)
+    assert r.status == 200 and r.json() == {
+        "id": "conv",
+        "object": "attention_store.session.deleted",
+        "deleted": True,
+        "chunks": 5,
+    }
+    assert here.engine.held == {} and there.engine.held == {("another-tenant", "conv"): 7}
+    # Held only elsewhere: still deleted; then nothing is left anywhere.
+    other.engine.held[(TENANT, "conv")] = 1
+    assert urllib3.request("DELETE", url, headers=AUTH, timeout=30, retries=False).json()["chunks"] == 1
+    again = urllib3.request("DELETE", url, headers=AUTH, timeout=30, retries=False).json()
+    assert (again["deleted"], again["chunks"]) == (False, 0)
 
 
 def test_without_redis_nothing_changes(make_settings):

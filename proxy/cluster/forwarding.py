@@ -185,6 +185,37 @@ class Forwarder:
         finally:
             resp.release()
 
+    # -- forgetting a session on every replica --------------------------------------------------------
+
+    async def forget_elsewhere(self, request: web.Request) -> tuple[bool, int]:
+        """The caller's DELETE of a session sent on to every other live replica (each holds its own L0
+        and L1 copies, and indexes the L2 files it wrote), at once: (whether any of them had the
+        session, the chunks they dropped). A replica that does not answer costs nothing but its part:
+        its memory goes with it, and the session index has forgotten the session already."""
+        if FORWARDED_BY in request.headers:
+            return False, 0  # sent here by a replica that asks the others itself
+        others = [
+            info.url.rstrip("/")
+            for name, info in (await self.index.replicas()).items()
+            if name != self.me and info.url
+        ]
+        if not others:
+            return False, 0
+        http = request.app[HTTP_CLIENT]
+        headers = outbound_headers(request.headers, self.settings, "replica")
+
+        async def forget(url: str) -> tuple[bool, int]:
+            try:
+                async with http.delete(url + request.raw_path, headers=headers, timeout=self.timeout) as resp:
+                    body = await resp.json(content_type=None) if resp.status == 200 else {}
+                return bool(body.get("deleted")), int(body.get("chunks") or 0)
+            except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError, TypeError) as exc:
+                log.warning("replica at %s did not forget the session (%s)", url, type(exc).__name__)
+                return False, 0
+
+        answers = await asyncio.gather(*(forget(url) for url in others))
+        return any(d for d, _ in answers), sum(n for _, n in answers)
+
 
 FORWARDER = web.AppKey("forwarder", Forwarder)
 

@@ -62,6 +62,10 @@ class SessionIndex(Protocol):
     async def delete_response(self, tenant: str, response_id: str) -> bool: ...
     async def announce(self, replica: str, info: ReplicaInfo, ttl_s: float) -> None: ...
     async def replica(self, replica: str) -> ReplicaInfo | None: ...
+    async def replicas(self) -> dict[str, ReplicaInfo]:
+        """Every replica whose heartbeat is live, by id (none where the index cannot tell)."""
+        ...
+
     async def withdraw(self, replica: str) -> None: ...
     async def close(self) -> None: ...
     def describe(self) -> dict: ...
@@ -107,6 +111,9 @@ class MemorySessionIndex:
 
     async def replica(self, replica: str) -> ReplicaInfo | None:
         return None
+
+    async def replicas(self) -> dict[str, ReplicaInfo]:
+        return {}
 
     async def withdraw(self, replica: str) -> None:
         pass
@@ -263,6 +270,27 @@ class RedisSessionIndex:
             return ReplicaInfo(**orjson.loads(raw)) if raw else None
         except (TypeError, ValueError):  # written by another version: as good as no heartbeat
             return None
+
+    async def replicas(self) -> dict[str, ReplicaInfo]:
+        """Every live heartbeat (their keys expire with the replica); {} when Redis cannot tell."""
+        if not self._usable():
+            return {}
+        prefix = self._replica_key("")
+        try:
+            keys = [key async for key in self._redis.scan_iter(match=prefix + "*", count=100)]
+            raws = await self._redis.mget(keys) if keys else []
+            self._recovered()
+        except Exception as exc:
+            self._failed(exc)
+            return {}
+        out: dict[str, ReplicaInfo] = {}
+        for key, raw in zip(keys, raws, strict=True):
+            try:
+                if raw:
+                    out[key.decode()[len(prefix) :]] = ReplicaInfo(**orjson.loads(raw))
+            except (TypeError, ValueError):  # written by another version: as good as no heartbeat
+                continue
+        return out
 
     async def withdraw(self, replica: str) -> None:
         if self._usable():

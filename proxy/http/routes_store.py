@@ -11,6 +11,7 @@ from aiohttp import web
 from engine_api.engine import Engine
 from engine_api.stats import EngineStats
 
+from ..cluster.forwarding import FORWARDER
 from ..cluster.session_index import SESSION_INDEX
 from ..errors import APIError
 from ..metrics import METRICS
@@ -86,7 +87,8 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def delete_session(request: web.Request) -> web.Response:
-    """Drop the caller's session (this tenant only) from every tier and from the session index."""
+    """Drop the caller's session (this tenant only) from every tier and from the session index, on
+    every replica: the others hold their own memory tiers (forwarding's `forget_elsewhere`)."""
     session = request.match_info["session_id"]
     tenant = tenant_of(request.headers)
     engine = local_engine(request.app)
@@ -94,8 +96,13 @@ async def delete_session(request: web.Request) -> web.Response:
     known = await index.get(tenant, session) is not None
     dropped = await asyncio.to_thread(engine.forget_session, tenant, session) if engine else 0
     await index.forget(tenant, session)
+    forwarder = request.app.get(FORWARDER)
+    elsewhere, dropped_elsewhere = (
+        await forwarder.forget_elsewhere(request) if forwarder is not None else (False, 0)
+    )
+    dropped += dropped_elsewhere
     # deleted: whether this tenant had anything under that session (an unknown one answers false).
-    deleted = known or dropped > 0
+    deleted = known or dropped > 0 or elsewhere
     body = {"id": session, "object": "attention_store.session.deleted", "deleted": deleted, "chunks": dropped}
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
