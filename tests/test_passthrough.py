@@ -311,6 +311,8 @@ def test_without_an_upstream_the_error_names_the_setting(start_proxy, make_setti
         error = assert_openai_error(err.value.response.json(), "invalid_request_error")
         assert error["code"] == "upstream_not_configured"
         assert "llm_endpoint.base_url" in error["message"] and path in error["message"]
+        assert err.value.response.headers["X-AttentionStore-Route"] == "upstream"  # errors included
+        assert err.value.response.headers["X-AttentionStore-Replica"]
 
 
 def test_a_turn_for_a_model_served_nowhere_is_openais_404_model_not_found(start_proxy, make_settings):

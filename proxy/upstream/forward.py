@@ -154,14 +154,15 @@ async def forward_upstream(
     path in `attnstore_passthrough_requests`. A failure before the answer began is an APIError (502,
     504), answered by the middleware; after it, the answer is cut (an SSE stream gets an error event
     first) and the connection closed."""
-    require_upstream(request)
     if turn is not None:
+        require_upstream(request)
         turn.serve_upstream()
         return await _relay(request, body, turn, expect_stream=expect_stream, track_usage=track_usage)
     settings = request.app[SETTINGS]
     route = {ROUTE: "upstream", REPLICA: replica_id(settings)}
     status: int | None = None
     try:
+        require_upstream(request)
         answer = await _relay(request, body, route, expect_stream=expect_stream, track_usage=track_usage)
         status = answer.status
         return answer
