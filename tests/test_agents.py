@@ -99,14 +99,23 @@ def test_tools_with_a_response_format_answer_with_a_call_or_the_format(server):
     """`tool_choice: auto` with response_format: a call is still possible (the grammar is a call or the
     format's JSON, as OpenAI's models may do either). On this prompt the greedy answer is a call (under
     the format's grammar alone it could only be JSON); on a prompt it answers, the JSON parses."""
-    c = client(server)
+    check_call_or_format(client(server), expect_call=True)
+
+
+def check_call_or_format(c: openai.OpenAI, *, expect_call: bool) -> None:
+    """`expect_call`: the weather question's greedy answer must be a call (the embedded engine's, on
+    these weights); else a call or JSON in the format (another engine's kernels may choose either)."""
     asked = dict(model=MODEL, tools=TOOLS, temperature=0, max_tokens=60)
     fmt = {"type": "json_object"}
     weather = [{"role": "user", "content": "What's the weather in Oslo?"}]
     done = c.chat.completions.create(messages=weather, response_format=fmt, **asked)
     calls = done.choices[0].message.tool_calls
-    assert done.choices[0].finish_reason == "tool_calls" and calls and calls[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    if calls or expect_call:
+        assert done.choices[0].finish_reason == "tool_calls" and calls
+        assert calls[0].function.name == "get_weather"
+        jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    else:
+        assert isinstance(json.loads(done.choices[0].message.content or ""), dict)
     person = [{"role": "user", "content": "Describe a pilot as JSON with a name and an age."}]
     fmt_schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     answer = c.chat.completions.create(messages=person, response_format=fmt_schema, **asked).choices[0]
