@@ -1,6 +1,7 @@
 """POST /v1/chat/completions through the proxy to a fake upstream, over real loopback HTTP."""
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -9,6 +10,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
+import urllib3
 from aiohttp import web
 
 from proxy.turns.session import prefix_fingerprint
@@ -229,7 +231,10 @@ async def test_upstream_silent_mid_stream_ends_the_stream_with_an_error_event_un
     assert client(server).chat.completions.create(model="gpt-fake", messages=MSGS).choices
 
 
-async def test_client_disconnect_closes_upstream(proxy, fake_upstream):
+async def test_client_disconnect_closes_upstream(proxy, fake_upstream, caplog):
+    """A client gone mid-stream: the upstream request is closed, and the proxy says so quietly (no
+    error with a traceback in its log: nothing failed)."""
+    caplog.set_level(logging.DEBUG)
     fake_upstream.chunk_delay_s = 0.1
     fake_upstream.n_chunks = 100  # ~10 s if nobody stops it
     body = {"model": "gpt-fake", "messages": MSGS, "stream": True}
@@ -241,6 +246,9 @@ async def test_client_disconnect_closes_upstream(proxy, fake_upstream):
         resp.close()  # drop the connection mid-stream
     closed = await asyncio.to_thread(fake_upstream.disconnected.wait, 5)
     assert closed, "the upstream request was not closed"
+    await asyncio.sleep(0.5)  # the proxy's last write to the gone client, and whatever it logs
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
 
 
 def test_no_upstream_and_not_local_is_openais_404(start_proxy, make_settings):
@@ -291,3 +299,32 @@ def test_log_line_when_client_leaves_mid_stream(proxy, fake_upstream, caplog):
     next(iter(stream))
     stream.close()
     assert " bypass reused=0 prompt=0 " in wait_for_log(caplog, "session=gone ")
+
+
+def test_a_client_gone_while_its_answer_is_written_is_no_error(start_app, make_settings, caplog):
+    """A handler whose write finds the client gone (ConnectionResetError: the window between a
+    stream's last event and its end, where the openai client hangs up) ends quietly: no error and no
+    traceback in the log, and the server goes on serving."""
+    from proxy.http.middleware import error_middleware
+    from proxy.settings import SETTINGS
+
+    async def gone(request: web.Request) -> web.StreamResponse:
+        stream = web.StreamResponse()
+        await stream.prepare(request)
+        await stream.write(b"data: [DONE]\n\n")
+        raise ConnectionResetError("Cannot write to closing transport")
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(middlewares=[error_middleware])
+    app[SETTINGS] = make_settings()
+    app.router.add_get("/gone", gone)
+    app.router.add_get("/ok", ok)
+    server = start_app(app)
+    caplog.set_level(logging.DEBUG)
+    with contextlib.suppress(urllib3.exceptions.HTTPError):  # the connection closed under the answer
+        urllib3.request("GET", server.url + "/gone", timeout=5, retries=False)
+    assert urllib3.request("GET", server.url + "/ok", timeout=5, retries=False).data == b"ok"
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]

@@ -54,9 +54,16 @@ async def _answer(request: web.Request, handler: Handler, turn: Turn | None = No
             raise
         keep = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         error = APIError(exc.status, exc.reason, headers=keep)
-    except (ConnectionResetError, TimeoutError) as exc:
-        # The client went away mid-response; nobody is left to answer.
+    except ConnectionResetError as exc:
+        # The client went away mid-response (a stream's last bytes included): nobody is left to answer.
+        # Raised on, aiohttp would log it as an error with its traceback; answered, its own write to
+        # the closed connection ends quietly (the connection is closed first, so nothing else is sent).
         log.debug("client connection lost: %s", exc)
+        if request.transport is not None:
+            request.transport.close()
+        return web.Response(status=499, reason="Client Closed Request")
+    except TimeoutError as exc:
+        log.debug("timed out: %s", exc)
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
