@@ -208,6 +208,8 @@ class Forwarder:
             try:
                 async with http.delete(url + request.raw_path, headers=headers, timeout=self.timeout) as resp:
                     body = await resp.json(content_type=None) if resp.status == 200 else {}
+                if not isinstance(body, dict):  # not this API's answer: as good as none
+                    return False, 0
                 return bool(body.get("deleted")), int(body.get("chunks") or 0)
             except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError, TypeError) as exc:
                 log.warning("replica at %s did not forget the session (%s)", url, type(exc).__name__)

@@ -59,10 +59,10 @@ async def _route(request: web.Request, req: ApiRequest, *, forwardable: bool = T
         return await backend.handle(request, req, turn)
     if route.kind == "upstream":
         return await forward_chat(request, req, turn)
-    raise unservable(route)
+    raise _unservable(route)
 
 
-def unservable(route: Route) -> APIError:
+def _unservable(route: Route) -> APIError:
     """Why a turn has nowhere to go: OpenAI's 404 model_not_found for a model neither local nor
     upstream (its SDK's NotFoundError), else a 400 with the reason (an option the local model does not
     serve, and no upstream to send it to)."""
@@ -137,7 +137,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
         return web.Response(body=orjson.dumps(body), content_type="application/json")
     if route.kind == "upstream":
         return await forward_upstream(request, body=req.upstream_bytes(), turn=None)
-    raise unservable(route)
+    raise _unservable(route)
 
 
 def _responses(request: web.Request) -> ResponseStore:

@@ -275,7 +275,7 @@ class ToolCallParser:
         answer cut off by max_tokens: its call counts when its JSON is whole, as vLLM's hermes parser
         counts an unclosed `<tool_call>`, else it is text); what was held back goes out."""
         rest, self._buffer = self._buffer, ""
-        out = Parsed()
+        out = Parsed()  # a full answer's rest is dropped
         if self.full:
             pass
         elif self.format == "text":
