@@ -21,6 +21,7 @@ from proxy.cluster.session_index import MemorySessionIndex, RedisSessionIndex, R
 from proxy.errors import APIError
 from proxy.http.app import build_app
 from proxy.metrics import METRICS
+from proxy.serving.response_store import ResponseStore, StoredResponse
 from proxy.turns.backend import LocalBackend
 from proxy.turns.tenant import tenant_of
 from tests.support.threaded_server import free_port
@@ -298,6 +299,23 @@ def test_a_session_deleted_on_one_replica_is_forgotten_by_every_live_one(replica
     assert urllib3.request("DELETE", url, headers=AUTH, timeout=30, retries=False).json()["chunks"] == 1
     again = urllib3.request("DELETE", url, headers=AUTH, timeout=30, retries=False).json()
     assert (again["deleted"], again["chunks"]) == (False, 0)
+
+
+def test_a_response_deleted_on_one_replica_is_forgotten_by_every_live_one(replica, redis_server):
+    """DELETE /v1/responses/{id} on a replica that did not serve the turn: the stored response is gone
+    from the shared index, and the replica that served it drops its own copies of the turn's KV."""
+    here, there = StandIn("replica-x"), StandIn("replica-o")
+    x, _ = replica("replica-x", here)
+    replica("replica-o", there)
+    wait_until(lambda: heartbeat_of(redis_server.url, "replica-o"), "replica-o's heartbeat", 10)
+    stored = StoredResponse(model=MODEL, conversation=[], response={"id": "resp_1", "object": "response"})
+    with_index(redis_server.url, lambda index: ResponseStore(index, 10).put(TENANT, "resp_1", stored))
+    there.engine.held[(TENANT, "resp_1")] = 4  # the turn was served there
+    url = x.url + "/v1/responses/resp_1"
+    r = urllib3.request("DELETE", url, headers=AUTH, timeout=30, retries=False)
+    assert r.status == 200 and r.json() == {"id": "resp_1", "object": "response", "deleted": True}
+    assert there.engine.held == {}
+    assert urllib3.request("GET", url, headers=AUTH, timeout=30, retries=False).status == 404
 
 
 def test_without_redis_nothing_changes(make_settings):

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
@@ -187,11 +188,12 @@ class Forwarder:
 
     # -- forgetting a session on every replica --------------------------------------------------------
 
-    async def forget_elsewhere(self, request: web.Request) -> tuple[bool, int]:
-        """The caller's DELETE of a session sent on to every other live replica (each holds its own L0
-        and L1 copies, and indexes the L2 files it wrote), at once: (whether any of them had the
-        session, the chunks they dropped). A replica that does not answer costs nothing but its part:
-        its memory goes with it, and the session index has forgotten the session already."""
+    async def forget_elsewhere(self, request: web.Request, session: str) -> tuple[bool, int]:
+        """The caller's DELETE of a session (or of a stored response: its session is its id) sent on to
+        every other live replica as a session DELETE (each holds its own L0 and L1 copies, and indexes
+        the L2 files it wrote), at once: (whether any of them had the session, the chunks they
+        dropped). A replica that does not answer costs nothing but its part: its memory goes with it,
+        and the session index has forgotten the session already."""
         if FORWARDED_BY in request.headers:
             return False, 0  # sent here by a replica that asks the others itself
         others = [
@@ -203,10 +205,11 @@ class Forwarder:
             return False, 0
         http = request.app[HTTP_CLIENT]
         headers = outbound_headers(request.headers, self.settings, "replica")
+        path = SESSION_PATH.format(quote(session, safe=""))
 
         async def forget(url: str) -> tuple[bool, int]:
             try:
-                async with http.delete(url + request.raw_path, headers=headers, timeout=self.timeout) as resp:
+                async with http.delete(url + path, headers=headers, timeout=self.timeout) as resp:
                     body = await resp.json(content_type=None) if resp.status == 200 else {}
                 if not isinstance(body, dict):  # not this API's answer: as good as none
                     return False, 0
@@ -220,6 +223,8 @@ class Forwarder:
 
 
 FORWARDER = web.AppKey("forwarder", Forwarder)
+# Where a replica forgets a session of the caller's tenant (proxy/http/routes_store.py serves it).
+SESSION_PATH = "/v1/attention_store/sessions/{}"
 
 
 def install_forwarding(app: web.Application, settings: Settings, index: SessionIndex) -> Forwarder | None:

@@ -98,7 +98,7 @@ async def delete_session(request: web.Request) -> web.Response:
     await index.forget(tenant, session)
     forwarder = request.app.get(FORWARDER)
     elsewhere, dropped_elsewhere = (
-        await forwarder.forget_elsewhere(request) if forwarder is not None else (False, 0)
+        await forwarder.forget_elsewhere(request, session) if forwarder is not None else (False, 0)
     )
     dropped += dropped_elsewhere
     # deleted: whether this tenant had anything under that session (an unknown one answers false).

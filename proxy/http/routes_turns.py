@@ -186,7 +186,8 @@ async def get_response(request: web.Request) -> web.StreamResponse:
 
 
 async def delete_response(request: web.Request) -> web.StreamResponse:
-    """Forget a stored response and its conversation's KV (what its turn stored, in every tier)."""
+    """Forget a stored response and its conversation's KV (what its turn stored, in every tier, on every
+    replica: the one that served the turn holds its own memory tiers)."""
     response_id = request.match_info["response_id"]
     tenant = tenant_of(request.headers)
     if not await _responses(request).delete(tenant, response_id):
@@ -197,5 +198,8 @@ async def delete_response(request: web.Request) -> web.StreamResponse:
     if engine is not None:
         await asyncio.to_thread(engine.forget_session, tenant, response_id)
     await request.app[SESSION_INDEX].forget(tenant, response_id)
+    forwarder = request.app.get(FORWARDER)
+    if forwarder is not None:
+        await forwarder.forget_elsewhere(request, response_id)
     body = {"id": response_id, "object": "response", "deleted": True}
     return web.Response(body=orjson.dumps(body), content_type="application/json")
