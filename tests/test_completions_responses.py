@@ -175,6 +175,25 @@ def test_truncation_is_the_requests_own_a_conversation_past_the_context_is_a_400
     assert bad.value.body["param"] == "truncation"
 
 
+def test_chat_only_fields_on_a_local_responses_turn_are_openais_unknown_parameter(serve):
+    """Fields of Chat Completions that OpenAI's Responses API lacks (`seed`, `stop`, `max_tokens`,
+    penalties...) get OpenAI's 400 `unknown_parameter` naming the field, so a request that works here
+    works at OpenAI too; vLLM's extension `top_k` is served."""
+    server = serve()
+    for field, value in (("seed", 1), ("stop", ["."]), ("max_tokens", 4), ("presence_penalty", 0.5)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            respond(server, input=QUESTION, max_output_tokens=2, extra_body={field: value})
+        body = refused.value.body
+        assert (body["code"], body["param"], body["type"]) == (
+            "unknown_parameter",
+            field,
+            "invalid_request_error",
+        )
+        assert body["message"] == f"Unknown parameter: '{field}'."
+    answered, _ = respond(server, input=QUESTION, max_output_tokens=2, extra_body={"top_k": 1})
+    assert answered.status in ("completed", "incomplete") and answered.output_text
+
+
 def test_the_responses_stream_is_the_documented_event_sequence(serve):
     server = serve()
     c = client(server)

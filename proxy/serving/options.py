@@ -199,10 +199,36 @@ def _top_k(body: dict[str, Any]) -> int:
     return value
 
 
+# Chat Completions' fields that OpenAI's Responses API does not define. OpenAI answers a Responses
+# request naming one with a 400 `unknown_parameter`, and so does a local Responses turn: serving them
+# would make a client's request work here and fail at OpenAI. (vLLM's extensions `top_k` and
+# `ignore_eos` stay accepted, on every endpoint.)
+CHAT_ONLY_FIELDS = (
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "max_tokens",
+    "max_completion_tokens",
+    "response_format",
+    "n",
+)
+
+
+def _refuse_chat_only_fields(body: dict[str, Any]) -> None:
+    for name in CHAT_ONLY_FIELDS:
+        if name in body:
+            raise bad_request(f"Unknown parameter: '{name}'.", param=name, code="unknown_parameter")
+
+
 def sampling_params(req: ApiRequest, default_max_tokens: int, *, vocab: int) -> SamplingParams:
     """Validated sampling settings; OpenAI's defaults (temperature 1, top_p 1) where absent. The
     grammar (tools, response_format) is the caller's to add."""
     body = req.body
+    if isinstance(req, ResponsesRequest):
+        _refuse_chat_only_fields(body)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise bad_request("'seed' must be an integer.", param="seed")
@@ -216,7 +242,7 @@ def sampling_params(req: ApiRequest, default_max_tokens: int, *, vocab: int) -> 
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         top_k=_top_k(body),
         seed=seed,
-        stop=[] if isinstance(req, ResponsesRequest) else _stops(body),
+        stop=_stops(body),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body, vocab),
