@@ -12,9 +12,10 @@ import msgspec
 import orjson
 import pytest
 
+from engine_api.model_source import ModelLoadError
 from proxy.local_vllm.config import vllm_config
 from proxy.settings import EmbeddedRunnerSettings, Settings, SettingsError, parse_settings
-from vllm_engine.launch import vllm_dtype, vllm_launch
+from vllm_engine.launch import kv_bytes_per_token, vllm_dtype, vllm_launch
 from vllm_engine.stream import Delta, Finish, StreamError, TokenUsage, parse_event
 
 VLLM = {"engine": "vllm", "vllm_args": ["-O0"]}
@@ -137,6 +138,44 @@ def test_the_settings_become_vllms_arguments_and_the_connectors_options(tmp_path
     assert extra["chunk_tokens"] == 512 and extra["lookahead"] == 3 and extra["layerwise"] is False
     assert extra["socket_path"] == "/tmp/x.sock" == launch.socket_path
     assert str(Path(__file__).resolve().parents[1]) in launch.env["PYTHONPATH"].split(":")
+
+
+def test_a_kv_memory_short_of_one_whole_context_stops_start_up_naming_the_settings(tmp_path):
+    """Two models share l0_gpu's 256 MB: each gets 128 MB, where one turn of a 2,048-token context of
+    this shape (32 layers, 8 KV heads of 128, bfloat16: 128 KiB a token) needs 256 MB. Start-up stops
+    before vLLM starts, naming the settings to change; a shorter context fits and launches."""
+    shape = {
+        "max_position_embeddings": 2048,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "hidden_size": 4096,
+    }
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(shape))
+    assert kv_bytes_per_token(folder, "bfloat16") == 128 << 10
+    tiers = {"l0_gpu": {"capacity_mb": 256}, "l2_disk": {"path": "kv"}}
+    local = {**VLLM, "dtype": "bfloat16", "models": {"a": "/a", "b": "/b"}}
+    s = settings(tmp_path, local_runner=local, attention_store={"tiering": tiers, **NO_DECOUPLE})
+    with pytest.raises(ModelLoadError) as refused:
+        vllm_launch(vllm_config(s, tmp_path), "a", folder, 8123, "/tmp/x.sock")
+    assert str(refused.value) == (
+        "model 'a': one turn of its 2048-token context needs 256 MB of KV in vLLM's memory, but "
+        "attention_store.tiering.l0_gpu.capacity_mb gives it 128 MB, its share of 2 local models: "
+        "raise capacity_mb, or lower attention_store.position_encoding.max_context_tokens"
+    )
+    shorter = settings(
+        tmp_path,
+        local_runner=local,
+        attention_store={
+            **NO_DECOUPLE,
+            "tiering": tiers,
+            "position_encoding": {"decouple": False, "max_context_tokens": 1024},
+        },
+    )
+    argv = vllm_launch(vllm_config(shorter, tmp_path), "a", folder, 8123, "/tmp/x.sock").argv
+    assert argv[argv.index("--max-model-len") + 1] == "1024"
 
 
 def test_without_the_store_vllm_runs_without_the_connector(tmp_path):

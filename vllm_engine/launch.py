@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine_api.model_source import auto_dtype
+from engine_api.model_source import ModelLoadError, auto_dtype
 
 ATTNSTORE_ROOT = Path(__file__).resolve().parents[1]  # the folder holding vllm_engine/ and kvtier/
 CONNECTOR_MODULE = "vllm_engine.connector"
+MB = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,14 +71,58 @@ def vllm_dtype(dtype: str, device: str, cpu_flags: frozenset[str]) -> str:
     return auto_dtype(device.startswith("cuda") or Path("/dev/nvidia0").exists(), cpu_flags)
 
 
-def model_context(folder: Path) -> int | None:
-    """The model's own context length from its config.json, when it says."""
+def _model_config(folder: Path) -> dict[str, Any]:
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _positive(config: dict[str, Any], name: str) -> int | None:
+    value = config.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def model_context(folder: Path) -> int | None:
+    """The model's own context length from its config.json, when it says."""
+    return _positive(_model_config(folder), "max_position_embeddings")
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def kv_bytes_per_token(folder: Path, dtype: str) -> int | None:
+    """The KV one token of the model holds in vLLM's memory (keys and values of every layer), from its
+    config.json; None when the config does not say (vLLM itself then judges)."""
+    config = _model_config(folder)
+    layers, heads = _positive(config, "num_hidden_layers"), _positive(config, "num_attention_heads")
+    hidden, width = _positive(config, "hidden_size"), DTYPE_BYTES.get(dtype)
+    if layers is None or heads is None or width is None:
         return None
-    value = config.get("max_position_embeddings")
-    return value if isinstance(value, int) and value > 0 else None
+    kv_heads = _positive(config, "num_key_value_heads") or heads
+    head_dim = _positive(config, "head_dim") or (hidden // heads if hidden else None)
+    return 2 * layers * kv_heads * head_dim * width if head_dim else None
+
+
+def check_kv_fits(config: VllmConfig, name: str, folder: Path, dtype: str) -> None:
+    """Refuse, before vLLM spends minutes starting, a KV memory that cannot hold one turn of the model's
+    whole context: vLLM would refuse it at the end of its start, naming its own flags instead of the
+    settings. The check is the bare product; vLLM's block rounding it leaves to vLLM."""
+    per_token = kv_bytes_per_token(folder, dtype)
+    if per_token is None:
+        return
+    context = max_model_len(config, folder)
+    needed = per_token * context
+    if config.kv_cache_bytes >= needed:
+        return
+    shared = f", its share of {len(config.models)} local models" if len(config.models) > 1 else ""
+    raise ModelLoadError(
+        f"model {name!r}: one turn of its {context}-token context needs {needed / MB:.0f} MB of KV "
+        f"in vLLM's memory, but attention_store.tiering.l0_gpu.capacity_mb gives it "
+        f"{config.kv_cache_bytes / MB:.0f} MB{shared}: raise capacity_mb, or lower "
+        "attention_store.position_encoding.max_context_tokens"
+    )
 
 
 def max_model_len(config: VllmConfig, folder: Path) -> int:
@@ -96,12 +141,14 @@ def vllm_launch(
     *,
     cpu_flags: frozenset[str] = frozenset(),
 ) -> Launch:
+    dtype = vllm_dtype(config.dtype, config.device, cpu_flags)
+    check_kv_fits(config, name, folder, dtype)
     argv = [
         config.python or sys.executable,
         *("-m", "vllm.entrypoints.openai.api_server"),
         *("--model", str(folder), "--served-model-name", name),
         *("--host", "127.0.0.1", "--port", str(port)),
-        *("--dtype", vllm_dtype(config.dtype, config.device, cpu_flags)),
+        *("--dtype", dtype),
         *("--max-num-seqs", str(config.max_running)),
         *("--max-num-batched-tokens", str(config.max_batch_tokens)),
         *("--kv-cache-memory-bytes", str(config.kv_cache_bytes)),
