@@ -48,8 +48,9 @@ class CompletionRequest(ApiRequest):
 
 @dataclass(slots=True)
 class ResponsesRequest(ApiRequest):
-    # The new input as chat messages; None when an item is of a kind only an upstream serves (function
-    # calls, images, item references): `unserved` says which.
+    # The new input as chat messages (function calls and their outputs as tool calls and tool
+    # messages); None when an item is of a kind only an upstream serves (images, item references,
+    # reasoning): `unserved` says which.
     input_messages: list[dict[str, Any]] | None = None
     unserved: str | None = None
     instructions: str | None = None
@@ -217,23 +218,49 @@ def parse_completion(raw: bytes) -> CompletionRequest:
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _item_message(item: str | dict[str, Any], where: str) -> dict[str, Any] | str:
-    """A Responses input item (checked: required.check_input_item) as a chat message, or why it is not
-    served locally (a string)."""
-    if isinstance(item, str):
-        return {"role": "user", "content": item}
-    kind = item.get("type", "message")
-    if kind != "message":
-        return f"{where}: input items of type {kind!r} are not served locally"
-    content = item["content"]
+def _text_of(content: str | list[dict[str, Any]], where: str) -> str:
+    """A message's (or a tool output's) text parts joined, or NotServed naming the first other part."""
     if isinstance(content, str):
-        return {"role": item["role"], "content": content}
+        return content
     texts = []
     for j, part in enumerate(content):
         if part["type"] not in _TEXT_PARTS:
-            return f"{where}.content[{j}]: {part['type']!r} parts are not served locally"
+            raise _NotServed(f"{where}[{j}]: {part['type']!r} parts are not served locally")
         texts.append(part["text"])
-    return {"role": item["role"], "content": "".join(texts)}
+    return "".join(texts)
+
+
+class _NotServed(Exception):
+    """An input item only an upstream serves (its reason is the message)."""
+
+
+def _add_item(messages: list[dict[str, Any]], item: str | dict[str, Any], where: str) -> None:
+    """A Responses input item (checked: required.check_input_item) appended as chat messages: a message
+    as itself, a function call as an assistant's tool call (calls that follow an assistant message
+    join it, as one chat turn holds its text and its parallel calls), a call's output as a tool
+    message. Another kind raises _NotServed."""
+    if isinstance(item, str):
+        messages.append({"role": "user", "content": item})
+        return
+    kind = item.get("type", "message")
+    if kind == "message":
+        messages.append({"role": item["role"], "content": _text_of(item["content"], f"{where}.content")})
+    elif kind == "function_call":
+        call = {
+            "id": item["call_id"],
+            "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]},
+        }
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        output = _text_of(item["output"], f"{where}.output")
+        messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+    else:
+        raise _NotServed(f"{where}: input items of type {kind!r} are not served locally")
 
 
 def parse_responses(raw: bytes) -> ResponsesRequest:
@@ -249,11 +276,12 @@ def parse_responses(raw: bytes) -> ResponsesRequest:
     unserved = None
     for i, item in enumerate(items):
         check_input_item(item, i)
-        message = _item_message(item, f"input[{i}]")
-        if isinstance(message, str):
-            messages, unserved = None, unserved or message
-        elif messages is not None:
-            messages.append(message)
+        if messages is None:
+            continue  # only checked: the request goes upstream
+        try:
+            _add_item(messages, item, f"input[{i}]")
+        except _NotServed as exc:
+            messages, unserved = None, str(exc)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("'instructions' must be a string.", param="instructions")

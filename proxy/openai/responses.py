@@ -1,9 +1,14 @@
 """OpenAI Responses API wire objects for locally served turns: the `response` object, its output
-message, its usage, and the documented stream events, each with its `sequence_number`:
+items (messages and function calls), its usage, and the documented stream events, each with its
+`sequence_number`:
 
-    response.created, response.in_progress, response.output_item.added, response.content_part.added,
-    response.output_text.delta..., response.output_text.done, response.content_part.done,
-    response.output_item.done, response.completed (or response.incomplete / response.failed)
+    response.created, response.in_progress, then for each output item in order:
+      a message: response.output_item.added, response.content_part.added,
+        response.output_text.delta..., response.output_text.done, response.content_part.done,
+        response.output_item.done
+      a function call: response.output_item.added, response.function_call_arguments.delta,
+        response.function_call_arguments.done, response.output_item.done
+    then response.completed (or response.incomplete / response.failed)
 
 A stream has no [DONE]: the last event says how the response ended.
 """
@@ -39,22 +44,12 @@ class ResponseShape:
     previous_response_id: str | None
     store: bool
     created_at: int = field(default_factory=lambda: int(time.time()))
-    item_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     sequence: int = 0
 
     @classmethod
     def answering(cls, response_id: str, req: ResponsesRequest) -> ResponseShape:
         """The shape of the response `response_id` that answers `req`."""
         return cls(response_id, req.model, req.body, req.instructions, req.previous_response_id, req.store)
-
-    def message(self, text: str, status: str) -> dict[str, Any]:
-        return {
-            "id": self.item_id,
-            "type": "message",
-            "status": status,
-            "role": "assistant",
-            "content": [] if status == "in_progress" else [output_text(text)],
-        }
 
     def response(
         self,
@@ -80,9 +75,9 @@ class ResponseShape:
             "previous_response_id": self.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
             "store": self.store,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": self.request.get("tool_choice") or "auto",  # "none" or "auto" when local
-            "tools": [],
+            "text": {"format": _text_format(self.request)},
+            "tool_choice": self.request.get("tool_choice") or "auto",
+            "tools": self.request.get("tools") or [],
             "usage": usage,
         }
         for name in _ECHOED:
@@ -98,6 +93,40 @@ class ResponseShape:
         body = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
+
+
+def _text_format(request: dict[str, Any]) -> Any:
+    text = request.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    return fmt or {"type": "text"}
+
+
+def new_item_id(prefix: str) -> str:
+    """An output item's id: `msg_...` for a message, `fc_...` for a function call."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """An output message: one output_text part (none yet while it is in progress)."""
+    return {
+        "id": item_id,
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": [] if status == "in_progress" else [output_text(text)],
+    }
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    """An output function call (its arguments empty while it is in progress)."""
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "arguments": "" if status == "in_progress" else arguments,
+        "call_id": call_id,
+        "name": name,
+    }
 
 
 def output_text(text: str) -> dict[str, Any]:

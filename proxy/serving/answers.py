@@ -248,42 +248,95 @@ class CompletionAnswer(Answer):
         return completion_wire.chunk(self.ids, None, include_usage=True, usage=_usage(total)) + chat_wire.DONE
 
 
-class ResponsesAnswer(Answer):
-    """The Responses API: one output message with one output_text part."""
+class _Item:
+    """One output item of a Responses answer: a message (its text so far) or a function call."""
 
-    def __init__(self, shape: responses_wire.ResponseShape, *, stream: bool) -> None:
+    def __init__(self, kind: str, item_id: str, call: ToolCall | None = None) -> None:
+        self.kind = kind
+        self.id = item_id
+        self.call = call
+        self.texts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def wire(self, status: str) -> dict[str, Any]:
+        if self.call is None:
+            return responses_wire.message_item(self.id, self.text, status)
+        call = self.call
+        return responses_wire.function_call_item(self.id, call.id, call.name, call.arguments, status)
+
+
+class ResponsesAnswer(Answer):
+    """The Responses API: the answer's output items in order, a message (one output_text part) for its
+    text and, when the request has tools, a function_call item for each call parsed out of it.
+
+    Without tools the one message opens with the stream, before any text. With tools a message opens
+    at its first text and closes when a call or the end comes; a call goes out whole once the parser
+    has seen its end (its arguments in one delta), as the chat stream sends it."""
+
+    def __init__(
+        self, shape: responses_wire.ResponseShape, *, stream: bool, tools: ToolCallParser | None = None
+    ) -> None:
         super().__init__(stream=stream)
         self.shape = shape
+        self.tools = tools
+        self.items: list[_Item] = []
+        self._open: _Item | None = None  # the message being written
 
-    def _part_event(self, kind: str, **fields: Any) -> bytes:
-        return self.shape.event(kind, item_id=self.shape.item_id, output_index=0, content_index=0, **fields)
+    def ended_in_tool_calls(self) -> bool:
+        return any(item.call is not None for item in self.items)
+
+    def as_message(self) -> dict[str, Any]:
+        """The answer as the chat message a follow-up's conversation holds: the model's own text
+        without tools (so the next turn re-renders the tokens it wrote), else the text the client saw
+        and the calls."""
+        if self.tools is None:
+            return {"role": "assistant", "content": self.text}
+        content = "".join(item.text for item in self.items if item.call is None)
+        calls = [item.call.to_openai() for item in self.items if item.call is not None]
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+    # -- the stream's moments ------------------------------------------------------------------------
+
+    def _emit(self, kind: str, **fields: Any) -> bytes:
+        return self.shape.event(kind, **fields) if self.stream else b""
+
+    def _part_event(self, kind: str, item: _Item, **fields: Any) -> bytes:
+        index = self.items.index(item)
+        return self._emit(kind, item_id=item.id, output_index=index, content_index=0, **fields)
 
     def opening(self) -> bytes:
         s = self.shape
         started = s.response("in_progress", [])
-        return (
-            s.event("response.created", response=started)
-            + s.event("response.in_progress", response=started)
-            + s.event("response.output_item.added", output_index=0, item=s.message("", "in_progress"))
-            + self._part_event("response.content_part.added", part=responses_wire.output_text(""))
+        out = s.event("response.created", response=started) + s.event(
+            "response.in_progress", response=started
         )
+        return out + (self._open_message() if self.tools is None else b"")
 
     def add(self, index: int, delta: TextDelta) -> bytes:
         super().add(index, delta)
-        if not (self.stream and delta.text):
+        if self.tools is None:
+            return self._text(delta.text)
+        parsed = self.tools.feed(delta.text)
+        return self._text(parsed.content) + self._calls(parsed.calls)
+
+    def end_choice(self, index: int, done: Finished) -> bytes:
+        super().end_choice(index, done)
+        if self.tools is None:
             return b""
-        return self._part_event("response.output_text.delta", delta=delta.text, logprobs=[])
+        parsed = self.tools.finish()  # what the parser still held
+        return self._text(parsed.content) + self._calls(parsed.calls)
 
     def closing(self, total: Finished) -> bytes:
+        out = self._open_message() if not self.items else b""  # an empty answer is an empty message
         final = self.body(total)
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        text = self.text
-        return (
-            self._part_event("response.output_text.done", text=text, logprobs=[])
-            + self._part_event("response.content_part.done", part=responses_wire.output_text(text))
-            + self.shape.event("response.output_item.done", output_index=0, item=final["output"][0])
-            + self.shape.event(kind, response=final)
-        )
+        return out + self._close_message(final["status"]) + self.shape.event(kind, response=final)
 
     def failure(self, message: str, status: int = 500) -> bytes:
         failed = self.shape.response("failed", [], error={"code": "server_error", "message": message})
@@ -292,13 +345,69 @@ class ResponsesAnswer(Answer):
     def body(self, total: Finished) -> dict[str, Any]:
         incomplete = total.finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
+        items = self.items or [_Item("message", responses_wire.new_item_id("msg"))]
+        # The last message is what the end cut short, when it was; every earlier item was whole.
+        last = items[-1]
+        output = [item.wire(status if item is last and item.call is None else "completed") for item in items]
         usage = responses_wire.usage(total.prompt_tokens, total.completion_tokens, total.reused_tokens)
         return self.shape.response(
-            status,
-            [self.shape.message(self.text, status)],
-            usage,
-            incomplete="max_output_tokens" if incomplete else None,
+            status, output, usage, incomplete="max_output_tokens" if incomplete else None
         )
+
+    # -- items ---------------------------------------------------------------------------------------
+
+    def _open_message(self) -> bytes:
+        item = self._open = _Item("message", responses_wire.new_item_id("msg"))
+        self.items.append(item)
+        index = len(self.items) - 1
+        return self._emit(
+            "response.output_item.added", output_index=index, item=item.wire("in_progress")
+        ) + self._part_event("response.content_part.added", item, part=responses_wire.output_text(""))
+
+    def _text(self, text: str) -> bytes:
+        if not text:
+            return b""
+        out = self._open_message() if self._open is None else b""
+        assert self._open is not None
+        self._open.texts.append(text)
+        return out + self._part_event("response.output_text.delta", self._open, delta=text, logprobs=[])
+
+    def _close_message(self, status: str = "completed") -> bytes:
+        item = self._open
+        if item is None:
+            return b""
+        self._open = None
+        text, index = item.text, self.items.index(item)
+        return (
+            self._part_event("response.output_text.done", item, text=text, logprobs=[])
+            + self._part_event("response.content_part.done", item, part=responses_wire.output_text(text))
+            + self._emit("response.output_item.done", output_index=index, item=item.wire(status))
+        )
+
+    def _calls(self, calls: Sequence[ToolCall]) -> bytes:
+        out = self._close_message() if calls else b""
+        for call in calls:
+            item = _Item("function_call", responses_wire.new_item_id("fc"), call)
+            self.items.append(item)
+            index, fields = len(self.items) - 1, {"item_id": item.id}
+            out += (
+                self._emit("response.output_item.added", output_index=index, item=item.wire("in_progress"))
+                + self._emit(
+                    "response.function_call_arguments.delta",
+                    **fields,
+                    output_index=index,
+                    delta=call.arguments,
+                )
+                + self._emit(
+                    "response.function_call_arguments.done",
+                    **fields,
+                    output_index=index,
+                    name=call.name,
+                    arguments=call.arguments,
+                )
+                + self._emit("response.output_item.done", output_index=index, item=item.wire("completed"))
+            )
+        return out
 
 
 def _dumps(obj: Any) -> str:

@@ -79,23 +79,27 @@ def _completion_unsupported(req: CompletionRequest) -> str | None:
     return None
 
 
-def _responses_unsupported(req: ResponsesRequest) -> str | None:
+def _responses_unsupported(req: ResponsesRequest, setup: ChatSetup) -> str | None:
     body = req.body
     if req.unserved:
         return req.unserved
-    if body.get("tools"):
-        return "tools are not served locally"
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        return "tool_choice is not served locally"
+    tools = body.get("tools") or []
+    kinds = {t.get("type") for t in tools if isinstance(t, dict)} - {"function"}
+    if kinds:  # the hosted tools (web search, file search, MCP, ...) are OpenAI's to run
+        return f"tools of type {sorted(map(str, kinds))[0]!r} are not served locally"
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") != "function":
+        return f"a tool_choice of type {choice.get('type')!r} is not served locally"
+    tools_used = bool(tools) or any(
+        m["role"] == "tool" or m.get("tool_calls") for m in req.input_messages or ()
+    )
+    if tools_used and not (setup.tools and setup.parser):
+        return "tools are not served locally (the model's chat template renders none)"
     if body.get("background"):
         return "background mode is not served locally"
     for name in ("conversation", "prompt", "reasoning", "include", "top_logprobs"):
         if body.get(name):
             return f"{name} is not served locally"
-    text = body.get("text")
-    fmt = text.get("format") if isinstance(text, dict) else None
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        return "text.format is not served locally"
     return None
 
 
@@ -109,7 +113,7 @@ def unsupported_reason(req: ApiRequest, setup: ChatSetup) -> str | None:
     if isinstance(req, CompletionRequest):
         return _completion_unsupported(req)
     if isinstance(req, ResponsesRequest):
-        return _responses_unsupported(req)
+        return _responses_unsupported(req, setup)
     return f"{type(req).__name__} is not served locally"
 
 

@@ -52,7 +52,7 @@ from .options import ChatSetup, sampling_params, unsupported_reason
 from .prompts import PromptBuilder
 from .response_store import ResponseStore, StoredResponse
 from .retention import RetentionPolicy
-from .structured import response_format_grammar
+from .structured import response_format_grammar, text_format_grammar
 from .tools import (
     ToolCallParser,
     ToolRequest,
@@ -60,6 +60,7 @@ from .tools import (
     detect_parser,
     forced_call_grammar,
     renders_tools,
+    responses_tool_request,
     tool_request,
 )
 
@@ -103,6 +104,24 @@ def cache_level(tier: str | None, reused: int) -> CacheLevel:
 def _served(req: ApiRequest) -> ApiRequest:
     """What the engines serve for `req`: a Messages request's chat form, any other request itself."""
     return req.as_chat if isinstance(req, MessagesRequest) else req
+
+
+def _tools(served: ApiRequest) -> ToolRequest | None:
+    """The tools of a chat turn (or a Messages turn's chat form) or of a Responses turn, validated."""
+    if isinstance(served, ChatRequest):
+        return tool_request(served.body)
+    if isinstance(served, ResponsesRequest):
+        return responses_tool_request(served.body)
+    return None
+
+
+def _answer_format(req: ApiRequest) -> str | None:
+    """The grammar of the answer's format: chat's `response_format`, the Responses API's `text.format`."""
+    if isinstance(req, ChatRequest):
+        return response_format_grammar(req.body)
+    if isinstance(req, ResponsesRequest):
+        return text_format_grammar(req.body)
+    return None
 
 
 class LocalServing:
@@ -198,7 +217,7 @@ class LocalServing:
         """The prompt tokens a turn of this request would have (its conversation and tools rendered as
         the turn renders them), without running it: Anthropic's count_tokens."""
         served = _served(req)
-        tools = tool_request(served.body) if isinstance(served, ChatRequest) else None
+        tools = _tools(served)
         return len((await self._render(served, 1, tools)).ids)
 
     async def aclose(self) -> None:
@@ -230,7 +249,7 @@ class LocalServing:
         if tools is not None and tools.choice in ("required", "named"):
             assert parser is not None  # supports() sent tools without a parser elsewhere
             return forced_call_grammar(tools, parser)
-        answer = response_format_grammar(req.body) if isinstance(req, ChatRequest) else None
+        answer = _answer_format(req)
         if answer is not None and tools is not None and tools.choice == "auto" and parser is not None:
             return call_or_answer_grammar(tools, parser, answer)
         return answer
@@ -247,7 +266,7 @@ class LocalServing:
 
     async def handle(self, request: web.Request, req: ApiRequest, turn: Turn) -> web.StreamResponse:
         served = _served(req)  # a Messages turn is served as its chat form; answered in its own shape
-        tools = tool_request(served.body) if isinstance(served, ChatRequest) else None
+        tools = _tools(served)
         vocab = len(self.engine.tokenizer(req.model))
         sampling = sampling_params(served, self.default_max_tokens, vocab=vocab)
         if isinstance(req, MessagesRequest):
@@ -334,7 +353,9 @@ class LocalServing:
             )
         if isinstance(req, ResponsesRequest):
             return ResponsesAnswer(
-                responses_wire.ResponseShape.answering(turn.session, req), stream=req.stream
+                responses_wire.ResponseShape.answering(turn.session, req),
+                stream=req.stream,
+                tools=ToolCallParser(parser, max_calls) if parses_calls and parser else None,
             )
         if isinstance(req, CompletionRequest):
             return CompletionAnswer(
@@ -379,6 +400,7 @@ class LocalServing:
             if seconds > 0:  # the store's lock (or, under vLLM, its socket): off the event loop
                 await asyncio.to_thread(self.engine.retain, turn.tenant, turn.session, seconds)
         if isinstance(req, ResponsesRequest) and req.store:
-            conversation = [*req.conversation, {"role": "assistant", "content": answer.text}]
+            assert isinstance(answer, ResponsesAnswer)
+            conversation = [*req.conversation, answer.as_message()]
             stored = StoredResponse(model=req.model, conversation=conversation, response=answer.body(done))
             await self.responses.put(turn.tenant, turn.session, stored)

@@ -1,5 +1,6 @@
-"""Structured outputs: `response_format` (`json_object`, `json_schema`) as a grammar the engine decodes
-under (xgrammar EBNF), so every answer parses and, with a schema, validates.
+"""Structured outputs: `response_format` (`json_object`, `json_schema`; the Responses API's
+`text.format`) as a grammar the engine decodes under (xgrammar EBNF), so every answer parses and, with
+a schema, validates.
 
 JSON is written compactly (no free whitespace): a small model given free whitespace can spend its whole
 answer on it. A schema xgrammar cannot compile is the client's 400, naming it.
@@ -41,7 +42,35 @@ def response_format_grammar(body: dict[str, Any]) -> str | None:
     )
 
 
-def _json_grammar(schema: dict[str, Any]) -> str:
+def text_format_grammar(body: dict[str, Any]) -> str | None:
+    """The grammar the Responses API's `text.format` asks for (its own shape: the schema's name and
+    the schema sit in the format), or None for free text."""
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise bad_request("'text' must be an object.", param="text")
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _json_grammar({"type": "object"}, "text.format")
+    if kind == "json_schema":
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+            raise bad_request("'text.format.name' must be a non-empty string.", param="text.format.name")
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "'text.format.schema' must be a JSON Schema object.", param="text.format.schema"
+            )
+        return _json_grammar(schema, "text.format")
+    raise bad_request(
+        "'text.format.type' must be 'text', 'json_object' or 'json_schema'.", param="text.format.type"
+    )
+
+
+def _json_grammar(schema: dict[str, Any], param: str = "response_format") -> str:
     import xgrammar as xgr
 
     try:
@@ -50,7 +79,6 @@ def _json_grammar(schema: dict[str, Any]) -> str:
         )
     except (RuntimeError, ValueError, TypeError) as exc:
         raise bad_request(
-            f"response_format's JSON Schema cannot be compiled for constrained decoding: {exc}",
-            param="response_format",
+            f"{param}'s JSON Schema cannot be compiled for constrained decoding: {exc}", param=param
         ) from None
     return str(grammar)

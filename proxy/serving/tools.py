@@ -122,6 +122,44 @@ def tool_request(body: dict[str, Any]) -> ToolRequest | None:
     return ToolRequest(tuple(tools), "named", fn["name"], parallel)
 
 
+def responses_tool_request(body: dict[str, Any]) -> ToolRequest | None:
+    """The Responses API's function tools and tool_choice (its own shapes: a tool's name and
+    parameters sit in the tool, a named choice is {"type": "function", "name": ...}), validated with
+    its param names, as the chat form `tool_request` holds them; None without tools."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("'tool_choice' needs 'tools'.", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be an array.", param="tools")
+    chat_tools = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request(f"tools[{i}].name must be a non-empty string.", param=f"tools[{i}].name")
+        params = tool.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_request(
+                f"tools[{i}].parameters must be a JSON Schema object.", param=f"tools[{i}].parameters"
+            )
+        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        chat_tools.append({"type": "function", "function": function})
+    chat: dict[str, Any] = {"tools": chat_tools, "parallel_tool_calls": body.get("parallel_tool_calls", True)}
+    if isinstance(choice, dict):
+        names = {t["function"]["name"] for t in chat_tools}
+        if choice.get("name") not in names:
+            raise bad_request(
+                "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': <one of "
+                "the tools>}.",
+                param="tool_choice",
+            )
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None:
+        chat["tool_choice"] = choice
+    return tool_request(chat)
+
+
 # -- the grammar of a forced call ------------------------------------------------------------------------
 
 

@@ -47,3 +47,11 @@ PERSON: dict[str, Any] = {
     "required": ["name", "age", "hobbies"],
     "additionalProperties": False,
 }
+
+
+def responses_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A chat function tool in the Responses API's shape (name and parameters in the tool itself)."""
+    return {"type": "function", **tool["function"]}
+
+
+RESPONSES_TOOLS = [responses_tool(t) for t in TOOLS]

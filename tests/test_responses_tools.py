@@ -1,0 +1,174 @@
+"""Function tools and structured outputs on the Responses API, served locally: the official openai
+client over loopback HTTP, the real model (float32) with the ChatML + Hermes template of the agents'
+tests (SmolLM2's own renders no tools).
+
+- a forced call is a `function_call` output item (call id, arguments valid for the schema), streamed
+  as the documented events; its output sent back as a `function_call_output` item continues the
+  conversation and reuses its KV, by `previous_response_id` or with the whole history resent;
+- `text.format` json_schema / json_object answers parse and validate; a bad schema is a 400 naming it;
+- hosted tools are not served locally (400 without an upstream).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.model_fixture import MODEL
+from tests.support.tools import PERSON, RESPONSES_TOOLS, WEATHER
+from tests.support.tools import TOOLS_TEMPLATE as TEMPLATE
+
+pytestmark = pytest.mark.model
+
+QUESTION = "Is it warm in Lisbon today?"
+NAMED = {"type": "function", "name": "get_weather"}
+
+
+@pytest.fixture
+def server(local_proxy):
+    return local_proxy(local_runner={"kv_chunk_tokens": 16, "chat_templates": {MODEL: str(TEMPLATE)}})
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="agent", max_retries=0, timeout=120)
+
+
+def streamed(c: openai.OpenAI, **kwargs):
+    """(event types in order, the final response) of a streamed Responses turn."""
+    kinds, final = [], None
+    with c.responses.create(**kwargs, stream=True) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+    return kinds, final
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_forced_call_is_a_function_call_item_and_its_output_continues_the_conversation(server, stream):
+    c = client(server)
+    kwargs = dict(
+        model=MODEL,
+        input=QUESTION,
+        tools=RESPONSES_TOOLS,
+        tool_choice=NAMED,
+        temperature=0,
+        max_output_tokens=60,
+    )
+    if stream:
+        kinds, first = streamed(c, **kwargs)
+        assert kinds == [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    else:
+        first = c.responses.create(**kwargs)
+    assert first.status == "completed" and len(first.output) == 1
+    call = first.output[0]
+    assert call.type == "function_call" and call.status == "completed" and call.name == "get_weather"
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    assert [t.name for t in first.tools] == ["get_weather", "search_files"]
+    assert first.tool_choice.name == "get_weather"
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 24}'}
+    raw = c.responses.with_raw_response.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[result],
+        tools=RESPONSES_TOOLS,
+        temperature=0,
+        max_output_tokens=16,
+    )
+    follow_up = raw.parse()
+    assert raw.headers["X-AttentionStore-Cache"] == "l0_hit"
+    reused = int(raw.headers["X-AttentionStore-Reused-Tokens"])
+    assert follow_up.usage.input_tokens_details.cached_tokens == reused > 0
+    assert follow_up.status in ("completed", "incomplete") and follow_up.output
+
+
+def test_the_whole_history_resent_as_items_renders_as_the_stored_conversation(server):
+    """A stateless client sends the user's message, the output items it got and the call's output:
+    the prompt is the one `previous_response_id` gives, so the greedy answers are equal."""
+    c = client(server)
+    first = c.responses.create(
+        model=MODEL,
+        input=QUESTION,
+        tools=RESPONSES_TOOLS,
+        tool_choice=NAMED,
+        temperature=0,
+        max_output_tokens=60,
+    )
+    call = first.output[0]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "24 C, sunny"}
+    common = dict(model=MODEL, tools=RESPONSES_TOOLS, temperature=0, max_output_tokens=12)
+    chained = c.responses.create(previous_response_id=first.id, input=[result], **common)
+    history = [{"role": "user", "content": QUESTION}, call.model_dump(exclude_none=True), result]
+    resent = c.responses.create(input=history, **common)
+    assert resent.usage.input_tokens == chained.usage.input_tokens
+    assert resent.output_text == chained.output_text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_text_format_json_schema_answers_validate(server, stream):
+    c = client(server)
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    kwargs = dict(
+        model=MODEL,
+        input="Describe a pilot as JSON.",
+        text={"format": fmt},
+        temperature=0,
+        max_output_tokens=80,
+    )
+    answer = streamed(c, **kwargs)[1] if stream else c.responses.create(**kwargs)
+    assert answer.status == "completed"
+    jsonschema.validate(json.loads(answer.output_text), PERSON)
+    assert answer.text.format.type == "json_schema" and answer.text.format.name == "person"
+
+
+def test_text_format_json_object_and_a_bad_schema(server):
+    c = client(server)
+    answer = c.responses.create(
+        model=MODEL,
+        input="Give a color and its opposite as a JSON object.",
+        text={"format": {"type": "json_object"}},
+        temperature=0,
+        max_output_tokens=40,
+    )
+    assert isinstance(json.loads(answer.output_text), dict)
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.responses.create(
+            model=MODEL,
+            input="hi",
+            text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}},
+            max_output_tokens=4,
+        )
+    assert bad.value.body["param"] == "text.format"
+    with pytest.raises(openai.BadRequestError) as unnamed:
+        c.responses.create(
+            model=MODEL, input="hi", text={"format": {"type": "json_schema", "schema": PERSON}}
+        )
+    assert unnamed.value.body["param"] == "text.format.name"
+
+
+def test_hosted_tools_and_a_tool_named_wrongly_are_refused_without_an_upstream(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as hosted:
+        c.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}], max_output_tokens=4)
+    assert "'web_search' are not served locally" in hosted.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as named:
+        c.responses.create(
+            model=MODEL,
+            input="hi",
+            tools=RESPONSES_TOOLS,
+            tool_choice={"type": "function", "name": "nope"},
+            max_output_tokens=4,
+        )
+    assert named.value.body["param"] == "tool_choice"
