@@ -35,7 +35,7 @@ import anthropic
 import jsonschema
 import openai
 
-from tests.support.tools import PERSON, SEARCH, TOOLS, WEATHER
+from tests.support.tools import PERSON, RESPONSES_TOOLS, SEARCH, TOOLS, WEATHER
 
 LOCAL = "smollm2-135m-instruct"
 TOOLS_MODEL = "smollm2-tools"
@@ -796,6 +796,45 @@ class Trial:
             )
             return f"{cache} cache_read={msg.usage.cache_read_input_tokens} stop={msg.stop_reason}"
 
+        def responses_tool_call() -> str:
+            raw = self.oa.responses.with_raw_response.create(
+                model=TOOLS_MODEL, input=f"What is the weather in Porto? (run {self.run})",
+                tools=RESPONSES_TOOLS, tool_choice="required", max_output_tokens=60, temperature=0,
+            )  # fmt: skip
+            first = raw.parse()
+            self.local_headers(hdrs(raw.headers), first.id)
+            calls = [item for item in first.output if item.type == "function_call"]
+            ok(first.status == "completed" and calls, f"status {first.status} output {first.output}")
+            call = calls[0]
+            ok(call.call_id.startswith("call_") and call.name in SCHEMAS, f"call {call}")
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+            self.data["response-tool"] = first
+            return f"{call.name}({call.arguments}) call_id={call.call_id}"
+
+        def responses_tool_output() -> str:
+            first = self.need("response-tool")
+            call = next(item for item in first.output if item.type == "function_call")
+            result = {
+                "type": "function_call_output",
+                "call_id": call.call_id,
+                "output": '{"temperature_c": 19}',
+            }
+            chunks, final = [], None
+            with self.oa.responses.create(
+                model=TOOLS_MODEL, previous_response_id=first.id, input=[result], tools=RESPONSES_TOOLS,
+                max_output_tokens=24, temperature=0, stream=True,
+            ) as events:  # fmt: skip
+                for event in events:
+                    if event.type == "response.output_text.delta":
+                        chunks.append(event.delta)
+                    if event.type in ("response.completed", "response.incomplete"):
+                        final = event.response
+            ok(final is not None, "no response.completed / response.incomplete")
+            assert final is not None
+            cached = final.usage.input_tokens_details.cached_tokens
+            ok(cached > 0, f"cached_tokens {cached} of {final.usage.input_tokens}")
+            return f"{final.status} cached={cached}/{final.usage.input_tokens} {short(''.join(chunks) or final.output)}"
+
         self.checks(
             6,
             [
@@ -809,6 +848,14 @@ class Trial:
                 (
                     "tools for a model whose template renders none go upstream",
                     tools_on_a_template_without_tools,
+                ),
+                (
+                    "/v1/responses function tools, required: a function_call item, valid arguments",
+                    responses_tool_call,
+                ),
+                (
+                    "/v1/responses function_call_output follow-up, streamed: answers, cached_tokens > 0",
+                    responses_tool_output,
                 ),
                 ("anthropic tools, tool_choice any: a tool_use block with a valid input", anthropic_tools),
                 ("anthropic tool_result follow-up: answers, hit", anthropic_tool_result),
@@ -858,6 +905,21 @@ class Trial:
                 return "400 naming response_format"
             raise Failed("an impossible schema was accepted")
 
+        def responses_text_format() -> str:
+            text = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
+            raw = self.oa.responses.with_raw_response.create(
+                model=LOCAL,
+                input="Describe a sailor as JSON.",
+                text=text,
+                max_output_tokens=64,
+                temperature=0,
+            )
+            answer = raw.parse()
+            self.local_headers(hdrs(raw.headers), answer.id)
+            jsonschema.validate(json.loads(answer.output_text), PERSON)
+            ok(answer.text.format.type == "json_schema", f"text {answer.text}")
+            return answer.output_text
+
         self.checks(
             7,
             [
@@ -865,6 +927,7 @@ class Trial:
                 ("response_format json_schema strict: validates against the schema", json_schema(False)),
                 ("response_format json_schema strict, streamed: validates", json_schema(True)),
                 ("an uncompilable schema is a 400 naming response_format", bad_schema),
+                ("/v1/responses text.format json_schema: validates, echoed", responses_text_format),
             ],
         )
 
