@@ -198,8 +198,8 @@ class DecodeGraphs:
         )
 
     def run(self, work: list[Work]) -> list[RowLogits | None]:
-        """Replay the bucket's graph for these decoding jobs; their logits rows (views of the graph's
-        output, valid until the next replay) in `work`'s order. Advances each job's length."""
+        """Replay the bucket's graph for these decoding jobs; their logits rows in `work`'s order.
+        Advances each job's length."""
         bucket = next(b for b in self.buckets if b >= len(work))
         partitions = self.partitions_for(work)
         for w in work:
@@ -211,7 +211,10 @@ class DecodeGraphs:
         graph = self._graphs.get((bucket, partitions))
         if graph is not None:
             graph.graph.replay()
-            logits = graph.logits
+            # A copy: the graph's output is overwritten by its next replay, and a step that fell back to
+            # running its jobs one by one (step_run's _isolated) replays it once per job before any
+            # job's token is chosen from its rows.
+            logits = graph.logits[: len(work)].clone()
         else:  # not captured (a CPU test): the replay's computation, run eagerly on the same inputs
             ids, positions, keep, plan = self._plan(bucket, partitions)
             logits = self._forward(ids, positions, keep, plan)

@@ -63,6 +63,9 @@ DECODE_JOBS = 32  # a decode batch's jobs timed, at most (max_running if smaller
 DECODE_KEYS = 2048
 LONG_KEYS = 8192
 L2_FLUSH_BYTES = 256 << 20  # a long job's pool is copied until the copies pass a device's L2 (50-60 MB)
+# ...but never more copies than this: a tiny model's pool (a test's) would need thousands of 12 KB copies,
+# each its own kernel launch, where a few dozen already run past L2's reuse.
+L2_FLUSH_COPIES = 64
 REPS = 5
 
 # The alternatives to the engine's configs (triton_attention.config_for, triton_ops.ENGINE_LINEAR).
@@ -479,7 +482,8 @@ def _attention_points(shape: ModelShape, device: torch.device) -> list[_Point]:
     while True:
         k, v, table = _pool(shape, device, [keys])
         layers.append((k, v))
-        if device.type != "cuda" or len(layers) * 2 * k.numel() * k.element_size() >= L2_FLUSH_BYTES:
+        copied = len(layers) * 2 * k.numel() * k.element_size()
+        if device.type != "cuda" or copied >= L2_FLUSH_BYTES or len(layers) >= L2_FLUSH_COPIES:
             break
     q = _random((1, shape.heads, shape.head_dim), shape.dtype, device)
     points.append(

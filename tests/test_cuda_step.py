@@ -111,6 +111,25 @@ def test_a_decode_step_as_graph_inputs_equals_the_eager_step(tiny):
     assert graphs.pad_page not in held
 
 
+def test_a_replays_rows_outlive_the_next_replay(tiny):
+    """A step that runs its jobs one by one (the fallback of a failed batched step) replays the same
+    graph once per job before any token is chosen: each job's rows stay its own."""
+    stack = CudaStack(tiny.model, invariant=True, max_positions=256)
+    histories = [list(range(2, 30)), list(range(40, 50))]
+    pool, kvs = _jobs(tiny, histories)
+    graphs = DecodeGraphs(stack, pool, most_jobs=2, most_keys=128)
+    if CUDA:
+        graphs.capture()
+    _, eager = _jobs(tiny, histories)
+    _prefill(tiny, stack, histories, kvs, eager)
+    first = graphs.run([Work(kvs[0], [11], want_logits=True)])[0]
+    second = graphs.run([Work(kvs[1], [12], want_logits=True)])[0]
+    want = run_packed(
+        tiny, [Work(kv, [t], want_logits=True) for kv, t in zip(eager, (11, 12), strict=True)], stack=stack
+    )
+    assert torch.equal(first.tensor, want[0].tensor) and torch.equal(second.tensor, want[1].tensor)
+
+
 def test_a_decode_graph_takes_the_fewest_partitions_its_rows_need_and_computes_the_same(tiny, monkeypatch):
     """Partitions of 16 keys (so that short rows span several): each step replays the graph of the
     smallest partition class holding its longest row, and computes what the eager step does, bit for
