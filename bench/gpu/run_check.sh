@@ -94,7 +94,7 @@ fi
 if has correct; then
   el correctness-135m-shape
   serve correct m135 correct
-  if ready 60; then
+  if ready 150; then  # the 135M shape's first start measures its kernel configs too (up to ~120 s)
     drive 150 --model m135 --phase correct --out "$OUT/correct.jsonl" --convs ${CONVS:-6} --words ${WORDS:-300}
     health; grep -E '"summary' "$OUT/correct.jsonl" | cut -c1-400
   fi
