@@ -111,3 +111,49 @@ def test_without_parallel_calls_a_free_hermes_answer_stops_at_its_first_call_tag
     assert forced is not None and forced.stops("hermes") == []
     parallel = tool_request({"tools": [tool]})
     assert parallel is not None and parallel.stops("hermes") == [] and parallel.max_calls is None
+
+
+def test_a_responses_answer_with_text_then_a_call_is_a_message_item_then_a_function_call_item():
+    """The Responses stream of an answer that says something, then calls: a message item (its text
+    deltas) closed when the call comes, then the call as one function_call item; the final response
+    lists both, and the stored chat message holds the text the client saw and the call."""
+    import orjson
+
+    from engine_api.turn import Finished, TextDelta
+    from proxy.openai.responses import ResponseShape
+    from proxy.serving.answers import ResponsesAnswer
+
+    shape = ResponseShape("resp_x", "m", {"tools": [{"type": "function", "name": "f"}]}, None, None, True)
+    answer = ResponsesAnswer(shape, stream=True, tools=ToolCallParser("hermes"))
+    out = answer.opening()
+    for piece in ["Let me ", "check.", "<tool_", 'call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>']:
+        out += answer.add(0, TextDelta(piece))
+    done = Finished("stop", prompt_tokens=10, completion_tokens=20, reused_tokens=0)
+    out += answer.end_choice(0, done) + answer.closing(done)
+    events = [orjson.loads(block.split(b"\ndata: ", 1)[1]) for block in out.split(b"\n\n") if block]
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[6]["text"] == "Let me check."
+    call_done = events[12]
+    assert call_done["output_index"] == 1 and call_done["item"]["arguments"] == '{"a": 1}'
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["message", "function_call"]
+    assert final["output"][1]["id"] == call_done["item"]["id"] and final["tools"][0]["name"] == "f"
+    message = answer.as_message()
+    assert message["content"] == "Let me check." and message["tool_calls"][0]["function"]["name"] == "f"
+    assert answer.ended_in_tool_calls()
