@@ -49,7 +49,11 @@ def streamed(c: openai.OpenAI, **kwargs):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_a_forced_call_is_a_function_call_item_and_its_output_continues_the_conversation(server, stream):
-    c = client(server)
+    check_forced_call_and_its_output(client(server), stream)
+
+
+def check_forced_call_and_its_output(c: openai.OpenAI, stream: bool) -> None:
+    """Written once above the engines: test_vllm_engine runs it on vLLM too."""
     kwargs = dict(
         model=MODEL,
         input=QUESTION,
@@ -88,7 +92,7 @@ def test_a_forced_call_is_a_function_call_item_and_its_output_continues_the_conv
         max_output_tokens=16,
     )
     follow_up = raw.parse()
-    assert raw.headers["X-AttentionStore-Cache"] == "l0_hit"
+    assert raw.headers["X-AttentionStore-Cache"] in ("l0_hit", "l1_hit", "l2_hit")
     reused = int(raw.headers["X-AttentionStore-Reused-Tokens"])
     assert follow_up.usage.input_tokens_details.cached_tokens == reused > 0
     assert follow_up.status in ("completed", "incomplete") and follow_up.output

@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 from engine_api.model_source import ModelLoadError
 from engine_api.prompt import PromptFormat, render_prompt
 from tests import test_agents as agents
+from tests import test_responses_tools as responses_tools
 from tests.model_fixture import DEFAULT_DTYPE, MODEL, REPO
 from tests.support import tools as shared_tools
 from tests.support.processes import ReplicaProcess
@@ -255,9 +256,9 @@ def test_at_the_default_dtype_hits_survive_a_restart_a_corrupt_file_is_a_miss_an
     template of tests/support/tools.py: later turns hit and equal a recompute, DELETE forgets; a restart of
     attnstore and vLLM keeps the hits (from L2) and a corrupt L2 file is a miss; then issue 27's agent
     checks (written once above the engines) on the restarted server: a named and a required tool call
-    (vLLM decodes under the serving layer's grammar), JSON Schema answers that validate, top_logprobs,
-    n answers, an agent loop that reuses its history each turn. One test, so vLLM starts twice, not four
-    times (a start takes about half a minute here)."""
+    (vLLM decodes under the serving layer's grammar), a Responses function call and its output, JSON
+    Schema answers that validate, top_logprobs, n answers, an agent loop that reuses its history each
+    turn. One test, so vLLM starts twice, not four times (a start takes about half a minute here)."""
     l2 = tmp_path / "kv"
     config = settings(vllm_python, l2)
     config["local_runner"]["chat_templates"] = {MODEL: str(shared_tools.TOOLS_TEMPLATE)}
@@ -298,6 +299,7 @@ def test_at_the_default_dtype_hits_survive_a_restart_a_corrupt_file_is_a_miss_an
     agents.check_named_tool_choice(c, stream=False)
     agents.check_named_tool_choice(c, stream=True)
     agents.check_required(c)
+    responses_tools.check_forced_call_and_its_output(c, stream=True)
     agents.check_json_schema(c, stream=True, subjects=agents.SUBJECTS[4:])
     agents.check_top_logprobs(c)
     agents.check_n_answers(c, again.url, stream=True, forks=False)
