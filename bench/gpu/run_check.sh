@@ -50,7 +50,8 @@ TP=""
 MEMORY_TEST=tests/test_kvtier_cuda.py::test_device_memory_falls_by_what_is_held
 if has tests; then  # the CUDA tests, beside the models' build (both are short of the device)
   el cuda-tests-start
-  (timeout "$(lim 200)" $PY -m pytest -q -p no:cacheprovider tests/test_kvtier_cuda.py tests/test_triton_attention.py \
+  # SIGINT at the limit: pytest then stops as on ^C and still prints what failed so far (-rfE)
+  (timeout -s INT -k 20 "$(lim 200)" $PY -m pytest -q -rfE -p no:cacheprovider tests/test_kvtier_cuda.py tests/test_triton_attention.py \
     tests/test_triton_ops.py tests/test_kvtier.py tests/test_reuse_policy.py tests/test_cuda_step.py tests/test_kernel_choice.py \
     --deselect "$MEMORY_TEST" > "$OUT/pytest.txt" 2>&1; echo "pytest rc $?" >> "$OUT/pytest.txt") & TP=$!
 fi
