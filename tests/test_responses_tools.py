@@ -176,3 +176,37 @@ def test_hosted_tools_and_a_tool_named_wrongly_are_refused_without_an_upstream(s
             max_output_tokens=4,
         )
     assert named.value.body["param"] == "tool_choice"
+
+
+def test_an_agent_loop_on_previous_response_id_reuses_its_whole_history_every_turn(server):
+    """An agent on the Responses API: a forced call, its ~300-token output sent back by
+    previous_response_id alone, again. The stored conversation re-renders to the tokens the turn
+    computed, so each later turn reuses the previous turn's whole prompt (to its last partial chunk of
+    16 tokens, and the call's canonical tokenization: test_agents' agent loop says why)."""
+    from tests.test_agents import tool_result
+
+    c = client(server)
+    previous_id, previous_input = None, 0
+    new_input: list = [
+        {"role": "system", "content": "You are a coding agent. Use the tools."},
+        {"role": "user", "content": "Find every handler in the repository."},
+    ]
+    for turn in range(6):
+        raw = c.responses.with_raw_response.create(
+            model=MODEL,
+            input=new_input,
+            previous_response_id=previous_id,
+            tools=RESPONSES_TOOLS,
+            tool_choice={"type": "function", "name": "search_files"},
+            temperature=0,
+            max_output_tokens=60,
+        )
+        done = raw.parse()
+        call = done.output[0]
+        assert call.type == "function_call" and call.name == "search_files", done.output
+        if turn:
+            assert raw.headers["X-AttentionStore-Cache"] in ("l0_hit", "l1_hit")
+            cached = done.usage.input_tokens_details.cached_tokens
+            assert cached >= previous_input - 16, (turn, previous_input, done.usage)
+        previous_id, previous_input = done.id, done.usage.input_tokens
+        new_input = [{"type": "function_call_output", "call_id": call.call_id, "output": tool_result(turn)}]
