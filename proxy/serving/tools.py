@@ -134,7 +134,8 @@ def responses_tool_request(body: dict[str, Any]) -> ToolRequest | None:
         return None
     if not isinstance(tools, list):
         raise bad_request("'tools' must be an array.", param="tools")
-    chat_tools = []
+    chat_tools: list[dict[str, Any]] = []
+    names: set[str] = set()
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
             raise bad_request(f"tools[{i}].name must be a non-empty string.", param=f"tools[{i}].name")
@@ -145,9 +146,9 @@ def responses_tool_request(body: dict[str, Any]) -> ToolRequest | None:
             )
         function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         chat_tools.append({"type": "function", "function": function})
+        names.add(tool["name"])
     chat: dict[str, Any] = {"tools": chat_tools, "parallel_tool_calls": body.get("parallel_tool_calls", True)}
     if isinstance(choice, dict):
-        names = {t["function"]["name"] for t in chat_tools}
         if choice.get("name") not in names:
             raise bad_request(
                 "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': <one of "
