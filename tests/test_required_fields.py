@@ -139,6 +139,16 @@ RESPONSES_CASES = {
         for name in ("call_id", "output")
     },
     "item_reference.id": ([MESSAGE, {"type": "item_reference"}], "input[1].id", MISSING),
+    "function_call_output.part.type": (
+        [MESSAGE, FUNCTION_CALL, {**FUNCTION_OUTPUT, "output": [{"text": "x"}]}], "input[2].output[0].type", MISSING,
+    ),
+    "function_call_output.part.text": (
+        [MESSAGE, FUNCTION_CALL, {**FUNCTION_OUTPUT, "output": [{"type": "input_text"}]}], "input[2].output[0].text",
+        MISSING,
+    ),
+    "function_call_output.part.object": (
+        [MESSAGE, FUNCTION_CALL, {**FUNCTION_OUTPUT, "output": ["x"]}], "input[2].output[0]", INVALID_TYPE,
+    ),
 }  # fmt: skip
 
 

@@ -176,6 +176,9 @@ def test_hosted_tools_and_a_tool_named_wrongly_are_refused_without_an_upstream(s
             max_output_tokens=4,
         )
     assert named.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as not_an_array:
+        c.responses.create(model=MODEL, input="hi", max_output_tokens=4, extra_body={"tools": 5})
+    assert not_an_array.value.body["param"] == "tools"
 
 
 def test_an_agent_loop_on_previous_response_id_reuses_its_whole_history_every_turn(server):

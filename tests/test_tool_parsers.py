@@ -117,20 +117,10 @@ def test_a_responses_answer_with_text_then_a_call_is_a_message_item_then_a_funct
     """The Responses stream of an answer that says something, then calls: a message item (its text
     deltas) closed when the call comes, then the call as one function_call item; the final response
     lists both, and the stored chat message holds the text the client saw and the call."""
-    import orjson
-
-    from engine_api.turn import Finished, TextDelta
-    from proxy.openai.responses import ResponseShape
-    from proxy.serving.answers import ResponsesAnswer
-
-    shape = ResponseShape("resp_x", "m", {"tools": [{"type": "function", "name": "f"}]}, None, None, True)
-    answer = ResponsesAnswer(shape, stream=True, tools=ToolCallParser("hermes"))
-    out = answer.opening()
-    for piece in ["Let me ", "check.", "<tool_", 'call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>']:
-        out += answer.add(0, TextDelta(piece))
-    done = Finished("stop", prompt_tokens=10, completion_tokens=20, reused_tokens=0)
-    out += answer.end_choice(0, done) + answer.closing(done)
-    events = [orjson.loads(block.split(b"\ndata: ", 1)[1]) for block in out.split(b"\n\n") if block]
+    answer = responses_answer(tools=True)
+    events = responses_events(
+        answer, ["Let me ", "check.", "<tool_", 'call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>']
+    )
     assert [e["type"] for e in events] == [
         "response.created",
         "response.in_progress",
@@ -157,3 +147,67 @@ def test_a_responses_answer_with_text_then_a_call_is_a_message_item_then_a_funct
     message = answer.as_message()
     assert message["content"] == "Let me check." and message["tool_calls"][0]["function"]["name"] == "f"
     assert answer.ended_in_tool_calls()
+
+
+def responses_answer(*, tools: bool, stream: bool = True):
+    from proxy.openai.responses import ResponseShape
+    from proxy.serving.answers import ResponsesAnswer
+
+    request = {"tools": [{"type": "function", "name": "f"}]} if tools else {}
+    shape = ResponseShape("resp_x", "m", request, None, None, True)
+    return ResponsesAnswer(shape, stream=stream, tools=ToolCallParser("hermes") if tools else None)
+
+
+def responses_events(answer, pieces: list[str], *, stored: list | None = None) -> list[dict]:
+    """The stream's events for these deltas; `stored` gets the body the store keeps, taken (as
+    write_answer does) after the answer's end and before its closing events."""
+    import orjson
+
+    from engine_api.turn import Finished, TextDelta
+
+    done = Finished("stop", prompt_tokens=10, completion_tokens=20, reused_tokens=0)
+    out = answer.opening()
+    for piece in pieces:
+        out += answer.add(0, TextDelta(piece))
+    out += answer.end_choice(0, done)
+    if stored is not None:
+        stored.append(answer.body(done))
+    out += answer.closing(done)
+    return [orjson.loads(block.split(b"\ndata: ", 1)[1]) for block in out.split(b"\n\n") if block]
+
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+
+
+def test_the_newlines_between_and_after_parallel_calls_are_no_message():
+    """A model writes a newline between its calls and after the last: the output is the calls alone,
+    and the stored message re-renders as the model wrote it (no content)."""
+    answer = responses_answer(tools=True)
+    events = responses_events(answer, [CALL, "\n", CALL, "\n"])
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["function_call", "function_call"]
+    assert not any(e["type"].startswith("response.output_text") for e in events)
+    message = answer.as_message()
+    assert message["content"] is None and len(message["tool_calls"]) == 2
+    # Whitespace inside or after text is the text's own.
+    text = responses_answer(tools=True)
+    events = responses_events(text, ["Two", " ", "words", "\n"])
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "Two words\n"
+    assert text.as_message() == {"role": "assistant", "content": "Two words\n"}
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["no tools", "tools"])
+def test_an_empty_answer_is_one_empty_message_the_same_in_the_stream_and_the_store(tools):
+    answer = responses_answer(tools=tools)
+    stored: list = []
+    events = responses_events(answer, [], stored=stored)
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    final = events[-1]["response"]
+    assert len(added) == 1 and len(final["output"]) == 1
+    assert added[0]["item"]["id"] == final["output"][0]["id"] == stored[0]["output"][0]["id"]
+    assert final["output"][0]["content"][0]["text"] == ""
+    # Not streamed: the body the store keeps is the body the client gets.
+    quiet = responses_answer(tools=tools, stream=False)
+    responses_events(quiet, [])
+    done = quiet.done[0]
+    assert quiet.body(done)["output"] == quiet.body(done)["output"]

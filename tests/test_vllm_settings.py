@@ -176,6 +176,10 @@ def test_a_kv_memory_short_of_one_whole_context_stops_start_up_naming_the_settin
     )
     argv = vllm_launch(vllm_config(shorter, tmp_path), "a", folder, 8123, "/tmp/x.sock").argv
     assert argv[argv.index("--max-model-len") + 1] == "1024"
+    # A model whose layers hold less than full KV (here a sliding window) is vLLM's to judge.
+    (folder / "config.json").write_text(json.dumps({**shape, "sliding_window": 512}))
+    assert kv_bytes_per_token(folder, "bfloat16") is None
+    vllm_launch(vllm_config(s, tmp_path), "a", folder, 8123, "/tmp/x.sock")
 
 
 def test_without_the_store_vllm_runs_without_the_connector(tmp_path):

@@ -96,6 +96,9 @@ def kv_bytes_per_token(folder: Path, dtype: str) -> int | None:
     """The KV one token of the model holds in vLLM's memory (keys and values of every layer), from its
     config.json; None when the config does not say (vLLM itself then judges)."""
     config = _model_config(folder)
+    windowed = config.get("sliding_window") and config.get("use_sliding_window") is not False  # Qwen2's off
+    if windowed or config.get("kv_lora_rank") or config.get("layer_types"):
+        return None  # latent (MLA), windowed or hybrid attention: less than every layer's full KV
     layers, heads = _positive(config, "num_hidden_layers"), _positive(config, "num_attention_heads")
     hidden, width = _positive(config, "hidden_size"), DTYPE_BYTES.get(dtype)
     if layers is None or heads is None or width is None:
@@ -109,6 +112,8 @@ def check_kv_fits(config: VllmConfig, name: str, folder: Path, dtype: str) -> No
     """Refuse, before vLLM spends minutes starting, a KV memory that cannot hold one turn of the model's
     whole context: vLLM would refuse it at the end of its start, naming its own flags instead of the
     settings. The check is the bare product; vLLM's block rounding it leaves to vLLM."""
+    if any(arg.startswith("--kv-cache-dtype") for arg in config.args):
+        return  # a KV dtype of its own (fp8): vLLM's to judge
     per_token = kv_bytes_per_token(folder, dtype)
     if per_token is None:
         return

@@ -229,14 +229,21 @@ def check_input_item(raw: object, i: int) -> None:
         if not isinstance(kind, str):
             raise wrong_type(f"{where}.type", STRING, kind)
         require_fields(item, RESPONSES_ITEMS.get(kind, ()), where)
+        if kind == "function_call_output":
+            _check_parts(item["output"], f"{where}.output")
         return
     role = require(item, "role", where, STRING)
     if role not in RESPONSES_ROLES:
         raise invalid_value(f"{where}.role", role, RESPONSES_ROLES)
-    content = require(item, "content", where, TEXT_OR_PARTS)
+    _check_parts(require(item, "content", where, TEXT_OR_PARTS), f"{where}.content")
+
+
+def _check_parts(content: object, where: str) -> None:
+    """A Responses content (a message's, a call output's): a string, or parts each with its type's
+    required fields."""
     if isinstance(content, list):
         for j, raw_part in enumerate(content):
-            part_where = f"{where}.content[{j}]"
+            part_where = f"{where}[{j}]"
             part = _object(raw_part, part_where)
             kind = require(part, "type", part_where, STRING)
             require_fields(part, RESPONSES_PARTS.get(kind, ()), part_where)

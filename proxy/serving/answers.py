@@ -284,6 +284,11 @@ class ResponsesAnswer(Answer):
         self.tools = tools
         self.items: list[_Item] = []
         self._open: _Item | None = None  # the message being written
+        # With tools, whitespace alone is held until text follows: a model writes a newline between
+        # its calls and after the last one, which is no message (and its stored conversation then
+        # re-renders to the tokens it computed).
+        self._held = ""
+        self._empty: _Item | None = None  # the one empty message of an answer without items
 
     def ended_in_tool_calls(self) -> bool:
         return any(item.call is not None for item in self.items)
@@ -296,6 +301,8 @@ class ResponsesAnswer(Answer):
             return {"role": "assistant", "content": self.text}
         content = "".join(item.text for item in self.items if item.call is None)
         calls = [item.call.to_openai() for item in self.items if item.call is not None]
+        if calls:  # the template puts its own newline between the text and the calls
+            content = content.strip()
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls
@@ -330,10 +337,18 @@ class ResponsesAnswer(Answer):
         if self.tools is None:
             return b""
         parsed = self.tools.finish()  # what the parser still held
-        return self._text(parsed.content) + self._calls(parsed.calls)
+        out = self._text(parsed.content) + self._calls(parsed.calls)
+        held, self._held = self._held, ""
+        if held and self._open is not None:  # the answer's own trailing whitespace, after its text
+            self._open.texts.append(held)
+            out += self._part_event("response.output_text.delta", self._open, delta=held, logprobs=[])
+        return out
 
     def closing(self, total: Finished) -> bytes:
-        out = self._open_message() if not self.items else b""  # an empty answer is an empty message
+        if not self.items or (self._empty is not None and self._open is None):
+            out = self._open_message(self._empty)  # an empty answer is one empty message, announced
+        else:
+            out = b""
         final = self.body(total)
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         return out + self._close_message(final["status"]) + self.shape.event(kind, response=final)
@@ -345,7 +360,10 @@ class ResponsesAnswer(Answer):
     def body(self, total: Finished) -> dict[str, Any]:
         incomplete = total.finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
-        items = self.items or [_Item("message", responses_wire.new_item_id("msg"))]
+        if not self.items:  # an empty answer is one empty message, the same in every body of it
+            self._empty = _Item("message", responses_wire.new_item_id("msg"))
+            self.items.append(self._empty)
+        items = self.items
         # The last message is what the end cut short, when it was; every earlier item was whole.
         last = items[-1]
         output = [item.wire(status if item is last and item.call is None else "completed") for item in items]
@@ -356,15 +374,23 @@ class ResponsesAnswer(Answer):
 
     # -- items ---------------------------------------------------------------------------------------
 
-    def _open_message(self) -> bytes:
-        item = self._open = _Item("message", responses_wire.new_item_id("msg"))
-        self.items.append(item)
-        index = len(self.items) - 1
+    def _open_message(self, item: _Item | None = None) -> bytes:
+        """A message item begins (a new one, or `item`, already listed but not yet announced)."""
+        if item is None:
+            item = _Item("message", responses_wire.new_item_id("msg"))
+            self.items.append(item)
+        self._open = item
+        index = self.items.index(item)
         return self._emit(
             "response.output_item.added", output_index=index, item=item.wire("in_progress")
         ) + self._part_event("response.content_part.added", item, part=responses_wire.output_text(""))
 
     def _text(self, text: str) -> bytes:
+        if self.tools is not None:
+            text, self._held = self._held + text, ""
+            if text.isspace():
+                self._held = text
+                return b""
         if not text:
             return b""
         out = self._open_message() if self._open is None else b""
@@ -385,6 +411,8 @@ class ResponsesAnswer(Answer):
         )
 
     def _calls(self, calls: Sequence[ToolCall]) -> bytes:
+        if calls:
+            self._held = ""  # the whitespace before a call is the format's, not the answer's
         out = self._close_message() if calls else b""
         for call in calls:
             item = _Item("function_call", responses_wire.new_item_id("fc"), call)

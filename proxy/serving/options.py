@@ -31,8 +31,9 @@ MAX_N = 16  # answers of one local turn (each takes a running slot); more go ups
 
 def _common_unsupported(req: ApiRequest) -> str | None:
     n = req.body.get("n")
-    if n not in (None, 1) and (isinstance(req, ResponsesRequest) or n > MAX_N):
-        return f"n > {1 if isinstance(req, ResponsesRequest) else MAX_N} is not served locally"
+    # The Responses API has no `n`: a local Responses turn answers it as OpenAI does (CHAT_ONLY_FIELDS).
+    if isinstance(n, int) and n > MAX_N and not isinstance(req, ResponsesRequest):
+        return f"n > {MAX_N} is not served locally"
     return None
 
 
@@ -84,6 +85,8 @@ def _responses_unsupported(req: ResponsesRequest, setup: ChatSetup) -> str | Non
     if req.unserved:
         return req.unserved
     tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        tools = [tools]  # not an array: served, so that the tools' check answers its 400
     kinds = {t.get("type") for t in tools if isinstance(t, dict)} - {"function"}
     if kinds:  # the hosted tools (web search, file search, MCP, ...) are OpenAI's to run
         return f"tools of type {sorted(map(str, kinds))[0]!r} are not served locally"
