@@ -25,6 +25,10 @@ pytestmark = pytest.mark.model
 
 QUESTION = "Is it warm in Lisbon today?"
 NAMED = {"type": "function", "name": "get_weather"}
+# A turn that must call get_weather.
+FORCED = dict(
+    model=MODEL, input=QUESTION, tools=RESPONSES_TOOLS, tool_choice=NAMED, temperature=0, max_output_tokens=60
+)
 
 
 @pytest.fixture
@@ -54,14 +58,7 @@ def test_a_forced_call_is_a_function_call_item_and_its_output_continues_the_conv
 
 def check_forced_call_and_its_output(c: openai.OpenAI, stream: bool) -> None:
     """Written once above the engines: test_vllm_engine runs it on vLLM too."""
-    kwargs = dict(
-        model=MODEL,
-        input=QUESTION,
-        tools=RESPONSES_TOOLS,
-        tool_choice=NAMED,
-        temperature=0,
-        max_output_tokens=60,
-    )
+    kwargs = FORCED
     if stream:
         kinds, first = streamed(c, **kwargs)
         assert kinds == [
@@ -102,14 +99,7 @@ def test_the_whole_history_resent_as_items_renders_as_the_stored_conversation(se
     """A stateless client sends the user's message, the output items it got and the call's output:
     the prompt is the one `previous_response_id` gives, so the greedy answers are equal."""
     c = client(server)
-    first = c.responses.create(
-        model=MODEL,
-        input=QUESTION,
-        tools=RESPONSES_TOOLS,
-        tool_choice=NAMED,
-        temperature=0,
-        max_output_tokens=60,
-    )
+    first = c.responses.create(**FORCED)
     call = first.output[0]
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "24 C, sunny"}
     common = dict(model=MODEL, tools=RESPONSES_TOOLS, temperature=0, max_output_tokens=12)

@@ -17,29 +17,19 @@ from ..errors import bad_request
 def response_format_grammar(body: dict[str, Any]) -> str | None:
     """The grammar `response_format` asks for, or None for free text."""
     fmt = body.get("response_format")
-    if fmt is None:
-        return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return _json_grammar({"type": "object"})
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
+    spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise bad_request(
                 "'response_format.json_schema' must be an object with a 'name' and a 'schema'.",
                 param="response_format",
             )
-        schema = spec.get("schema", {"type": "object"})
-        if not isinstance(schema, dict):
+        if not isinstance(spec.get("schema", {}), dict):
             raise bad_request(
                 "'response_format.json_schema.schema' must be an object.", param="response_format"
             )
-        return _json_grammar(schema)  # strict or not, every answer validates
-    raise bad_request(
-        "'response_format.type' must be 'text', 'json_object' or 'json_schema'.", param="response_format"
-    )
+    schema = spec.get("schema", {"type": "object"}) if isinstance(spec, dict) else None
+    return _format_grammar(fmt, schema, "response_format", "response_format")
 
 
 def text_format_grammar(body: dict[str, Any]) -> str | None:
@@ -49,25 +39,30 @@ def text_format_grammar(body: dict[str, Any]) -> str | None:
     if text is not None and not isinstance(text, dict):
         raise bad_request("'text' must be an object.", param="text")
     fmt = (text or {}).get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+            raise bad_request("'text.format.name' must be a non-empty string.", param="text.format.name")
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request(
+                "'text.format.schema' must be a JSON Schema object.", param="text.format.schema"
+            )
+    schema = fmt.get("schema") if isinstance(fmt, dict) else None
+    return _format_grammar(fmt, schema, "text.format", "text.format.type")
+
+
+def _format_grammar(fmt: Any, schema: dict[str, Any] | None, param: str, type_param: str) -> str | None:
+    """Either API's format (checked by its caller as far as its own shape goes) as a grammar: None for
+    text, any JSON object, or JSON of `schema`; another type is a 400 naming `type_param`."""
     if fmt is None:
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
         return None
     if kind == "json_object":
-        return _json_grammar({"type": "object"}, "text.format")
-    if kind == "json_schema":
-        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
-            raise bad_request("'text.format.name' must be a non-empty string.", param="text.format.name")
-        schema = fmt.get("schema")
-        if not isinstance(schema, dict):
-            raise bad_request(
-                "'text.format.schema' must be a JSON Schema object.", param="text.format.schema"
-            )
-        return _json_grammar(schema, "text.format")
-    raise bad_request(
-        "'text.format.type' must be 'text', 'json_object' or 'json_schema'.", param="text.format.type"
-    )
+        return _json_grammar({"type": "object"}, param)
+    if kind == "json_schema" and schema is not None:
+        return _json_grammar(schema, param)  # strict or not, every answer validates
+    raise bad_request(f"'{param}.type' must be 'text', 'json_object' or 'json_schema'.", param=type_param)
 
 
 def _json_grammar(schema: dict[str, Any], param: str = "response_format") -> str:

@@ -84,16 +84,24 @@ class ToolRequest:
         }
 
 
-def tool_request(body: dict[str, Any]) -> ToolRequest | None:
-    """The request's tools and tool_choice, validated (400 naming the param); None without tools."""
-    tools = body.get("tools")
-    choice = body.get("tool_choice")
+def _tools_and_choice(body: dict[str, Any]) -> tuple[list[Any] | None, Any]:
+    """The request's tools (an array, or None without any) and its tool_choice, either API's; a
+    choice that needs tools, or tools that are not an array, is a 400."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice not in (None, "none", "auto"):
             raise bad_request("'tool_choice' needs 'tools'.", param="tool_choice")
-        return None
+        return None, choice
     if not isinstance(tools, list):
         raise bad_request("'tools' must be an array.", param="tools")
+    return tools, choice
+
+
+def tool_request(body: dict[str, Any]) -> ToolRequest | None:
+    """The request's tools and tool_choice, validated (400 naming the param); None without tools."""
+    tools, choice = _tools_and_choice(body)
+    if tools is None:
+        return None
     names = set()
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -126,14 +134,9 @@ def responses_tool_request(body: dict[str, Any]) -> ToolRequest | None:
     """The Responses API's function tools and tool_choice (its own shapes: a tool's name and
     parameters sit in the tool, a named choice is {"type": "function", "name": ...}), validated with
     its param names, as the chat form `tool_request` holds them; None without tools."""
-    tools = body.get("tools")
-    choice = body.get("tool_choice")
-    if not tools:
-        if choice not in (None, "none", "auto"):
-            raise bad_request("'tool_choice' needs 'tools'.", param="tool_choice")
+    tools, choice = _tools_and_choice(body)
+    if tools is None:
         return None
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be an array.", param="tools")
     chat_tools: list[dict[str, Any]] = []
     names: set[str] = set()
     for i, tool in enumerate(tools):
