@@ -249,11 +249,11 @@ class CompletionAnswer(Answer):
 
 
 class _Item:
-    """One output item of a Responses answer: a message (its text so far) or a function call."""
+    """One output item of a Responses answer: a message (its text so far), or a function call."""
 
-    def __init__(self, kind: str, item_id: str, call: ToolCall | None = None) -> None:
-        self.kind = kind
+    def __init__(self, item_id: str, index: int, call: ToolCall | None = None) -> None:
         self.id = item_id
+        self.index = index  # its place in the response's output
         self.call = call
         self.texts: list[str] = []
 
@@ -288,7 +288,6 @@ class ResponsesAnswer(Answer):
         # its calls and after the last one, which is no message (and its stored conversation then
         # re-renders to the tokens it computed).
         self._held = ""
-        self._empty: _Item | None = None  # the one empty message of an answer without items
 
     def ended_in_tool_calls(self) -> bool:
         return any(item.call is not None for item in self.items)
@@ -314,8 +313,7 @@ class ResponsesAnswer(Answer):
         return self.shape.event(kind, **fields) if self.stream else b""
 
     def _part_event(self, kind: str, item: _Item, **fields: Any) -> bytes:
-        index = self.items.index(item)
-        return self._emit(kind, item_id=item.id, output_index=index, content_index=0, **fields)
+        return self._emit(kind, item_id=item.id, output_index=item.index, content_index=0, **fields)
 
     def opening(self) -> bytes:
         s = self.shape
@@ -334,24 +332,22 @@ class ResponsesAnswer(Answer):
 
     def end_choice(self, index: int, done: Finished) -> bytes:
         super().end_choice(index, done)
-        if self.tools is None:
-            return b""
-        parsed = self.tools.finish()  # what the parser still held
-        out = self._text(parsed.content) + self._calls(parsed.calls)
-        held, self._held = self._held, ""
-        if held and self._open is not None:  # the answer's own trailing whitespace, after its text
-            self._open.texts.append(held)
-            out += self._part_event("response.output_text.delta", self._open, delta=held, logprobs=[])
+        out = b""
+        if self.tools is not None:
+            parsed = self.tools.finish()  # what the parser still held
+            out = self._text(parsed.content) + self._calls(parsed.calls)
+            held, self._held = self._held, ""
+            if held and self._open is not None:  # the answer's own trailing whitespace, after its text
+                self._open.texts.append(held)
+                out += self._part_event("response.output_text.delta", self._open, delta=held, logprobs=[])
+        if not self.items:  # an empty answer is one empty message (before any body of it is taken)
+            out += self._open_message()
         return out
 
     def closing(self, total: Finished) -> bytes:
-        if not self.items or (self._empty is not None and self._open is None):
-            out = self._open_message(self._empty)  # an empty answer is one empty message, announced
-        else:
-            out = b""
         final = self.body(total)
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        return out + self._close_message(final["status"]) + self.shape.event(kind, response=final)
+        return self._close_message(final["status"]) + self.shape.event(kind, response=final)
 
     def failure(self, message: str, status: int = 500) -> bytes:
         failed = self.shape.response("failed", [], error={"code": "server_error", "message": message})
@@ -360,13 +356,11 @@ class ResponsesAnswer(Answer):
     def body(self, total: Finished) -> dict[str, Any]:
         incomplete = total.finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
-        if not self.items:  # an empty answer is one empty message, the same in every body of it
-            self._empty = _Item("message", responses_wire.new_item_id("msg"))
-            self.items.append(self._empty)
-        items = self.items
         # The last message is what the end cut short, when it was; every earlier item was whole.
-        last = items[-1]
-        output = [item.wire(status if item is last and item.call is None else "completed") for item in items]
+        last = self.items[-1]
+        output = [
+            item.wire(status if item is last and item.call is None else "completed") for item in self.items
+        ]
         usage = responses_wire.usage(total.prompt_tokens, total.completion_tokens, total.reused_tokens)
         return self.shape.response(
             status, output, usage, incomplete="max_output_tokens" if incomplete else None
@@ -374,13 +368,10 @@ class ResponsesAnswer(Answer):
 
     # -- items ---------------------------------------------------------------------------------------
 
-    def _open_message(self, item: _Item | None = None) -> bytes:
-        """A message item begins (a new one, or `item`, already listed but not yet announced)."""
-        if item is None:
-            item = _Item("message", responses_wire.new_item_id("msg"))
-            self.items.append(item)
-        self._open = item
-        index = self.items.index(item)
+    def _open_message(self) -> bytes:
+        item = self._open = _Item(responses_wire.new_item_id("msg"), len(self.items))
+        self.items.append(item)
+        index = item.index
         return self._emit(
             "response.output_item.added", output_index=index, item=item.wire("in_progress")
         ) + self._part_event("response.content_part.added", item, part=responses_wire.output_text(""))
@@ -403,7 +394,7 @@ class ResponsesAnswer(Answer):
         if item is None:
             return b""
         self._open = None
-        text, index = item.text, self.items.index(item)
+        text, index = item.text, item.index
         return (
             self._part_event("response.output_text.done", item, text=text, logprobs=[])
             + self._part_event("response.content_part.done", item, part=responses_wire.output_text(text))
@@ -415,9 +406,9 @@ class ResponsesAnswer(Answer):
             self._held = ""  # the whitespace before a call is the format's, not the answer's
         out = self._close_message() if calls else b""
         for call in calls:
-            item = _Item("function_call", responses_wire.new_item_id("fc"), call)
+            item = _Item(responses_wire.new_item_id("fc"), len(self.items), call)
             self.items.append(item)
-            index, fields = len(self.items) - 1, {"item_id": item.id}
+            index, fields = item.index, {"item_id": item.id}
             out += (
                 self._emit("response.output_item.added", output_index=index, item=item.wire("in_progress"))
                 + self._emit(

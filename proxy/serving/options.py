@@ -37,12 +37,19 @@ def _common_unsupported(req: ApiRequest) -> str | None:
     return None
 
 
+NO_TOOLS_TEMPLATE = "tools are not served locally (the model's chat template renders none)"
+
+
+def _tools_unrendered(has_tools: bool, messages: list[dict[str, Any]], setup: ChatSetup) -> bool:
+    """Whether a turn's tools, or tool calls and results in its history, need a template the model
+    lacks (one that renders tools, and a known format to parse calls with)."""
+    used = has_tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+    return used and not (setup.tools and setup.parser)
+
+
 def _chat_unsupported(body: dict[str, Any], setup: ChatSetup) -> str | None:
-    tools_used = bool(body.get("tools")) or any(
-        m.get("role") == "tool" or m.get("tool_calls") for m in body["messages"]
-    )
-    if tools_used and not (setup.tools and setup.parser):
-        return "tools are not served locally (the model's chat template renders none)"
+    if _tools_unrendered(bool(body.get("tools")), body["messages"], setup):
+        return NO_TOOLS_TEMPLATE
     if body.get("functions") or body.get("function_call") not in (None, "none"):
         return "functions (the deprecated form of tools) are not served locally"
     modalities = body.get("modalities")
@@ -93,11 +100,8 @@ def _responses_unsupported(req: ResponsesRequest, setup: ChatSetup) -> str | Non
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") != "function":
         return f"a tool_choice of type {choice.get('type')!r} is not served locally"
-    tools_used = bool(tools) or any(
-        m["role"] == "tool" or m.get("tool_calls") for m in req.input_messages or ()
-    )
-    if tools_used and not (setup.tools and setup.parser):
-        return "tools are not served locally (the model's chat template renders none)"
+    if _tools_unrendered(bool(tools), req.input_messages or [], setup):
+        return NO_TOOLS_TEMPLATE
     if body.get("background"):
         return "background mode is not served locally"
     for name in ("conversation", "prompt", "reasoning", "include", "top_logprobs"):
