@@ -115,11 +115,17 @@ class NotServed(Exception):
 @dataclass
 class Converter:
     """Anthropic messages -> chat messages, validating as it goes. Content the engines cannot serve
-    is still validated as far as its type; the first such thing is remembered in `unserved`."""
+    is still validated as far as its type; the first such thing is remembered in `unserved`.
+
+    Tool use is paired as Anthropic's API pairs it, with its errors: the message after an assistant's
+    `tool_use` blocks is a user message with a `tool_result` for each, and a `tool_result` answers a
+    `tool_use` of the message just before it. A conversation that ends on tool use is left alone."""
 
     hints: Hints
     out: list[dict[str, Any]] = field(default_factory=list)
     unserved: str | None = None
+    # The last message's index and its tool_use ids, while the next message has yet to answer them.
+    _open_calls: tuple[int, list[str]] | None = None
 
     def _not_served(self, reason: str) -> None:
         self.unserved = self.unserved or reason
@@ -135,18 +141,21 @@ class Converter:
         if "content" not in msg:
             raise fail(f"{where}.content", "Field required")
         content = msg["content"]
+        open_calls, self._open_calls = self._open_calls, None
+        results: list[tuple[int, str]] = []  # (block index, tool_use_id) of a user's tool_result blocks
         if isinstance(content, str):
             self.out.append({"role": role, "content": content})
-            return
-        if not isinstance(content, list):
+        elif not isinstance(content, list):
             raise fail(f"{where}.content", "Input should be a string or an array of content blocks")
-        before = len(self.out)
-        if role == "user":
-            self._user(content, where)
         else:
-            self._assistant(content, where)
-        if len(self.out) == before:  # nothing but dropped blocks: still a turn of its role
-            self.out.append({"role": role, "content": ""})
+            before = len(self.out)
+            if role == "user":
+                results = self._user(content, where)
+            elif calls := self._assistant(content, where):
+                self._open_calls = (i, calls)
+            if len(self.out) == before:  # nothing but dropped blocks: still a turn of its role
+                self.out.append({"role": role, "content": ""})
+        _check_pairing(open_calls, results, where)
 
     def _block(self, raw: object, where: str) -> tuple[dict[str, Any], str]:
         block = as_object(raw, where)
@@ -155,8 +164,10 @@ class Converter:
         self.hints.see(block, where)
         return block, kind
 
-    def _user(self, content: list[Any], where: str) -> None:
+    def _user(self, content: list[Any], where: str) -> list[tuple[int, str]]:
+        """A user message's blocks as chat messages; its tool_result blocks' (index, tool_use_id)."""
         texts: list[str] = []
+        results: list[tuple[int, str]] = []
 
         def flush() -> None:
             if texts:
@@ -170,12 +181,15 @@ class Converter:
                 texts.append(string(block, "text", block_where) or "")
             elif kind == "tool_result":
                 flush()
-                self.out.append(self._tool_result(block, block_where))
+                result = self._tool_result(block, block_where)
+                self.out.append(result)
+                results.append((j, result["tool_call_id"]))
             elif kind == "tool_use":
                 raise fail(f"{block_where}.type", "tool_use blocks belong to assistant messages")
             elif kind not in DROPPED_BLOCKS:
                 self._not_served(f"{block_where}: {kind!r} blocks are not served locally")
         flush()
+        return results
 
     def _tool_result(self, block: dict[str, Any], where: str) -> dict[str, Any]:
         call_id = string(block, "tool_use_id", where)
@@ -192,7 +206,8 @@ class Converter:
             text = f"Error: {text}"
         return {"role": "tool", "tool_call_id": call_id, "content": text}
 
-    def _assistant(self, content: list[Any], where: str) -> None:
+    def _assistant(self, content: list[Any], where: str) -> list[str]:
+        """An assistant message's blocks as one chat message; its tool_use ids."""
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
         for j, raw in enumerate(content):
@@ -220,6 +235,30 @@ class Converter:
         elif message["content"] is None:
             message["content"] = ""
         self.out.append(message)
+        return [call["id"] for call in calls]
+
+
+def _check_pairing(
+    open_calls: tuple[int, list[str]] | None, results: list[tuple[int, str]], where: str
+) -> None:
+    """A message (`where`) after tool use: its tool_result blocks (`results`) answer exactly the
+    previous message's tool_use ids (`open_calls`), in Anthropic's words."""
+    calls = open_calls[1] if open_calls else []
+    for j, call_id in results:
+        if call_id not in calls:
+            raise fail(
+                f"{where}.content.{j}",
+                f"unexpected `tool_use_id` found in `tool_result` blocks: {call_id}. Each `tool_result` "
+                "block must have a corresponding `tool_use` block in the previous message.",
+            )
+    answered = {call_id for _, call_id in results}
+    if open_calls and (unanswered := [c for c in calls if c not in answered]):
+        raise fail(
+            f"messages.{open_calls[0]}",
+            f"`tool_use` ids were found without `tool_result` blocks immediately after: "
+            f"{', '.join(unanswered)}. Each `tool_use` block must have a corresponding `tool_result` "
+            "block in the next message.",
+        )
 
 
 # -- tools -----------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from ..cluster.session_index import SessionIndex, SessionRecord
 from ..errors import APIError
 from ..openai import responses as responses_wire
 from ..openai.requests import ApiRequest, ChatRequest, CompletionRequest, ResponsesRequest
+from ..openai.tool_pairing import check_chat_tool_replies, check_responses_tool_outputs
 from ..settings import Settings, chat_templates, replica_id
 from ..turns.headers import CacheLevel
 from ..turns.tenant import ANONYMOUS, tenant_of
@@ -113,6 +114,15 @@ def _tools(served: ApiRequest) -> ToolRequest | None:
     if isinstance(served, ResponsesRequest):
         return responses_tool_request(served.body)
     return None
+
+
+def _check_tool_pairing(req: ApiRequest) -> None:
+    """A local turn's tool results answer calls its conversation made, and its calls are answered, as
+    OpenAI requires (a Messages request met Anthropic's rule as its content was converted)."""
+    if isinstance(req, ChatRequest):
+        check_chat_tool_replies(req.messages)
+    elif isinstance(req, ResponsesRequest):
+        check_responses_tool_outputs(req.conversation)
 
 
 def _answer_format(req: ApiRequest) -> str | None:
@@ -266,6 +276,7 @@ class LocalServing:
 
     async def handle(self, request: web.Request, req: ApiRequest, turn: Turn) -> web.StreamResponse:
         served = _served(req)  # a Messages turn is served as its chat form; answered in its own shape
+        _check_tool_pairing(req)
         tools = _tools(served)
         vocab = len(self.engine.tokenizer(req.model))
         sampling = sampling_params(served, self.default_max_tokens, vocab=vocab)
