@@ -264,6 +264,28 @@ def test_an_upstream_that_hangs_is_a_504(fake_upstream, start_proxy, make_settin
     assert fake_upstream.upload_started.is_set()  # the upload got through before the wait began
 
 
+def test_the_responses_side_endpoints_of_upstream_models_go_upstream(proxy, fake_upstream):
+    """input_tokens for a model not served here, input_items of a response not stored here: the
+    upstream's to answer (the fake knows neither path: its 404 comes back as it said it)."""
+    body = orjson.dumps({"model": "gpt-fake", "input": "hi", "session_id": "s"})
+    r = http_request(
+        "POST", proxy.url + "/v1/responses/input_tokens", body, {"Content-Type": "application/json"}
+    )
+    assert r.status == 404 and "Invalid URL" in r.json()["error"]["message"]
+    sent = fake_upstream.requests[-1]
+    assert (sent.method, sent.path, sent.json) == (
+        "POST",
+        "/v1/responses/input_tokens",
+        {"model": "gpt-fake", "input": "hi"},  # the proxy's session field removed
+    )
+    r = http_request("GET", proxy.url + "/v1/responses/resp_up/input_items?limit=5")
+    assert r.status == 404
+    assert (fake_upstream.requests[-1].method, fake_upstream.requests[-1].path) == (
+        "GET",
+        "/v1/responses/resp_up/input_items?limit=5",
+    )
+
+
 def test_an_upstream_error_is_passed_through_as_it_came(proxy, fake_upstream):
     fake_upstream.mode, fake_upstream.error_status = "error", 429
     with pytest.raises(openai.RateLimitError) as err:

@@ -110,6 +110,42 @@ def test_the_whole_history_resent_as_items_renders_as_the_stored_conversation(se
     assert resent.output_text == chained.output_text
 
 
+def test_input_items_list_the_conversation_and_input_tokens_count_the_prompt(server):
+    """GET input_items: the user's message, the call and its output (the chain's, not the
+    instructions), newest first by default, paged by the SDK's cursor; ids stable from one listing and
+    one response of the chain to the next. POST input_tokens: the input_tokens that turn reports."""
+    c = client(server)
+    first = c.responses.create(**FORCED)
+    call = first.output[0]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "24 C, sunny"}
+    turn = dict(model=MODEL, previous_response_id=first.id, input=[result], tools=RESPONSES_TOOLS)
+    counted = c.responses.input_tokens.count(**turn, instructions="Answer in one word.")
+    second = c.responses.create(
+        **turn, instructions="Answer in one word.", temperature=0, max_output_tokens=4
+    )
+    assert counted.object == "response.input_tokens" and counted.input_tokens == second.usage.input_tokens
+
+    page = c.responses.input_items.list(second.id)
+    assert [item.type for item in page.data] == ["function_call_output", "function_call", "message"]
+    output, made, asked = page.data
+    assert (output.call_id, output.output) == (call.call_id, "24 C, sunny")
+    assert (made.call_id, made.name, made.arguments) == (call.call_id, call.name, call.arguments)
+    assert asked.role == "user" and asked.content[0].text == QUESTION
+    assert (page.first_id, page.last_id, page.has_more) == (output.id, asked.id, False)
+    one_by_one = list(c.responses.input_items.list(second.id, order="asc", limit=1))  # 3 pages
+    assert [item.id for item in one_by_one] == [asked.id, made.id, output.id]
+    assert [item.id for item in c.responses.input_items.list(first.id)] == [asked.id]
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.responses.input_items.list(second.id, limit=101)
+    assert bad.value.param == "limit"
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.responses.input_items.list(second.id, after="msg_unknown")
+    assert bad.value.param == "after"
+    with pytest.raises(openai.NotFoundError):
+        c.responses.input_items.list("resp_unknown")
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_text_format_json_schema_answers_validate(server, stream):
     c = client(server)

@@ -24,10 +24,12 @@ from .routes_store import delete_session, metrics, stats, stats_by_model
 from .routes_turns import (
     chat_completions,
     completions,
+    count_input_tokens,
     count_tokens,
     create_response,
     delete_response,
     get_response,
+    list_input_items,
     messages,
 )
 from .server_log import install_bad_request_log
@@ -109,9 +111,11 @@ def build_app(
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", create_response)
+    app.router.add_post("/v1/responses/input_tokens", count_input_tokens)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/healthz", healthz)

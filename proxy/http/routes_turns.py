@@ -1,5 +1,5 @@
 """The turn endpoints: POST /v1/chat/completions, /v1/completions, /v1/responses (with GET and DELETE
-/v1/responses/{id}) and Anthropic's /v1/messages (with /v1/messages/count_tokens). Each parses its body,
+/v1/responses/{id}, GET /v1/responses/{id}/input_items and POST /v1/responses/input_tokens) and Anthropic's /v1/messages (with /v1/messages/count_tokens). Each parses its body,
 resolves tenant and session, and routes the turn: served locally (the serving layer, either engine) or
 upstream.
 
@@ -16,13 +16,22 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from multidict import MultiMapping
 
 from ..anthropic.requests import messages_fingerprint, parse_messages
 from ..cluster.forwarding import FORWARDER
 from ..cluster.session_index import SESSION_INDEX
-from ..errors import APIError
-from ..openai.requests import ApiRequest, CompletionRequest, parse_chat, parse_completion, parse_responses
-from ..openai.responses import new_response_id
+from ..errors import APIError, bad_request
+from ..openai.requests import (
+    ApiRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    parse_chat,
+    parse_completion,
+    parse_responses,
+)
+from ..openai.required import invalid_value
+from ..openai.responses import input_items, item_page, new_response_id
 from ..serving.response_store import ResponseStore
 from ..settings import SETTINGS
 from ..turns.backend import LOCAL_BACKEND, local_engine
@@ -156,22 +165,45 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     req = parse_responses(await _read(request))
     tenant = tenant_of(request.headers)
     _session(request, req)  # the session field never goes upstream; the response's id is the session
-    backend = request.app[LOCAL_BACKEND]
-    if choose_route(request.app[SETTINGS], req, backend).kind == "local":
-        history: list[dict[str, Any]] = []
-        if req.previous_response_id is not None:
-            previous = await _responses(request).get(tenant, req.previous_response_id)
-            if previous is None:  # OpenAI's code and param (clients such as Codex start over on it)
-                raise APIError(
-                    404,
-                    f"Previous response with id '{req.previous_response_id}' not found.",
-                    param="previous_response_id",
-                    code="previous_response_not_found",
-                )
-            history = previous.conversation
-        req.continue_from(history)
+    if choose_route(request.app[SETTINGS], req, request.app[LOCAL_BACKEND]).kind == "local":
+        await _continue(request, req, tenant)
     request[TURN].identify(session=new_response_id(), tenant=tenant, turn=req.turn)
     return await _route(request, req, forwardable=False)
+
+
+async def _continue(request: web.Request, req: ResponsesRequest, tenant: str) -> None:
+    """A local Responses request's conversation: its previous response's (this tenant's), then its
+    input; a previous response not stored here is OpenAI's 404 (clients such as Codex start over on it)."""
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        previous = await _responses(request).get(tenant, req.previous_response_id)
+        if previous is None:
+            raise APIError(
+                404,
+                f"Previous response with id '{req.previous_response_id}' not found.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        history = previous.conversation
+    req.continue_from(history)
+
+
+async def count_input_tokens(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses/input_tokens: for a local model, the prompt tokens a turn of this request
+    would have (its conversation, instructions and tools rendered as the turn renders them: the
+    `usage.input_tokens` that turn reports); for any other model, the upstream's answer."""
+    req = parse_responses(await _read(request))
+    tenant = tenant_of(request.headers)
+    _session(request, req, lambda: "")  # the session field never goes upstream; counting needs none
+    backend = request.app[LOCAL_BACKEND]
+    route = choose_route(request.app[SETTINGS], req, backend)
+    if route.kind == "local" and backend is not None:
+        await _continue(request, req, tenant)
+        body = {"object": "response.input_tokens", "input_tokens": await backend.count_prompt_tokens(req)}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+    if route.kind == "upstream":
+        return await forward_upstream(request, body=req.upstream_bytes(), turn=None)
+    raise _unservable(route)
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:
@@ -183,6 +215,41 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     if request.app[SETTINGS].llm_endpoint.base_url:
         return await forward_upstream(request, body=None, turn=None)
     raise _not_found(response_id)
+
+
+def _page_query(query: MultiMapping[str], ids: list[str]) -> tuple[int, bool, str | None]:
+    """input_items' query (limit 1-100, default 20; order asc or desc, default desc; after an item of
+    the list), validated with OpenAI's 400s; `include` names data local items do not have."""
+    raw_limit = query.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+        raise bad_request(
+            f"Invalid 'limit': {raw_limit!r}. It must be an integer from 1 to 100.", param="limit"
+        )
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid_value("order", order, ("asc", "desc"))
+    after = query.get("after")
+    if after is not None and after not in ids:
+        raise bad_request(f"No item with id '{after}' in this response's input items.", param="after")
+    if query.getall("include", None) or query.getall("include[]", None):
+        raise bad_request("'include' is not served for a locally stored response.", param="include")
+    return int(raw_limit), order == "desc", after
+
+
+async def list_input_items(request: web.Request) -> web.StreamResponse:
+    """GET /v1/responses/{id}/input_items: the items a stored response (this tenant's) was made from,
+    its previous responses' inputs and outputs included, a page at a time; one the upstream made is the
+    upstream's to answer."""
+    response_id = request.match_info["response_id"]
+    stored = await _responses(request).get(tenant_of(request.headers), response_id)
+    if stored is None:
+        if request.app[SETTINGS].llm_endpoint.base_url:
+            return await forward_upstream(request, body=None, turn=None)
+        raise _not_found(response_id)
+    items = input_items(stored.conversation[:-1])  # the last message is the response's own output
+    limit, descending, after = _page_query(request.query, [item["id"] for item in items])
+    page = item_page(items, limit=limit, descending=descending, after=after)
+    return web.Response(body=orjson.dumps(page), content_type="application/json")
 
 
 async def delete_response(request: web.Request) -> web.StreamResponse:

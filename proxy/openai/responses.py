@@ -15,6 +15,7 @@ A stream has no [DONE]: the last event says how the response ended.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -140,4 +141,74 @@ def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": input_tokens + output_tokens,
+    }
+
+
+# -- a stored response's input items (GET /v1/responses/{id}/input_items) ------------------------------
+
+
+def _derived_id(prefix: str, position: tuple[int, int], message: dict[str, Any]) -> str:
+    """An input item's id, derived from where it sits in the conversation and what it says: the same at
+    every listing and for every response of the chain that holds it. (The conversation keeps chat
+    messages, not the ids its items had as an earlier response's output; call ids are kept.)"""
+    digest = hashlib.sha256(orjson.dumps([*position, message], option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return f"{prefix}_{digest[:32]}"
+
+
+def input_items(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A conversation's chat messages (every earlier input and output; the instructions are not items)
+    as the Responses items they were: messages, an assistant's calls as `function_call` items after its
+    text, tool messages as `function_call_output` items. Oldest first."""
+    items: list[dict[str, Any]] = []
+    for i, message in enumerate(conversation):
+        role, content = message["role"], message.get("content") or ""
+        if role == "tool":
+            item_id = _derived_id("fco", (i, 0), message)
+            items.append(
+                {
+                    "id": item_id,
+                    "type": "function_call_output",
+                    "status": "completed",
+                    "call_id": message["tool_call_id"],
+                    "output": content,
+                }
+            )
+        elif role == "assistant":
+            if content:
+                items.append(message_item(_derived_id("msg", (i, 0), message), content, "completed"))
+            for j, call in enumerate(message.get("tool_calls") or (), start=1):
+                fn = call["function"]
+                item_id = _derived_id("fc", (i, j), message)
+                items.append(
+                    function_call_item(item_id, call["id"], fn["name"], fn["arguments"], "completed")
+                )
+        else:
+            items.append(
+                {
+                    "id": _derived_id("msg", (i, 0), message),
+                    "type": "message",
+                    "status": "completed",
+                    "role": role,
+                    "content": [{"type": "input_text", "text": content}],
+                }
+            )
+    return items
+
+
+def item_page(
+    items: list[dict[str, Any]], *, limit: int, descending: bool, after: str | None
+) -> dict[str, Any]:
+    """One page of a list of items, as OpenAI's cursor pages are: `limit` items in the order asked,
+    those after the item `after` (None: from the first); `has_more` when the list goes on."""
+    ordered = items[::-1] if descending else items
+    start = 0
+    if after is not None:
+        start = next(k for k, item in enumerate(ordered) if item["id"] == after) + 1
+    data = ordered[start : start + limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": start + limit < len(ordered),
     }
