@@ -833,7 +833,44 @@ class Trial:
             assert final is not None
             cached = final.usage.input_tokens_details.cached_tokens
             ok(cached > 0, f"cached_tokens {cached} of {final.usage.input_tokens}")
+            self.data["response-tool-2"] = (final, result)
             return f"{final.status} cached={cached}/{final.usage.input_tokens} {short(''.join(chunks) or final.output)}"
+
+        def responses_items_and_count() -> str:
+            first = self.need("response-tool")
+            second, result = self.need("response-tool-2")
+            kinds = [item.type for item in self.oa.responses.input_items.list(second.id, order="asc")]
+            ok(kinds == ["message", "function_call", "function_call_output"], f"input items {kinds}")
+            counted = self.oa.responses.input_tokens.count(
+                model=TOOLS_MODEL, previous_response_id=first.id, input=[result], tools=RESPONSES_TOOLS
+            )
+            ok(counted.input_tokens == second.usage.input_tokens, f"{counted.input_tokens} != {second.usage}")
+            return f"items {kinds}, input_tokens {counted.input_tokens} == the turn's"
+
+        def unpaired_results() -> str:
+            orphan = [
+                {"role": "user", "content": "hi"},
+                {"role": "tool", "tool_call_id": "call_x", "content": "1"},
+            ]
+            try:
+                self.oa.chat.completions.create(model=TOOLS_MODEL, messages=orphan, max_tokens=2)
+            except openai.BadRequestError as exc:
+                ok(exc.param == "messages.[1].role", f"param {exc.param!r}")
+            else:
+                raise Failed("a tool message without its call was served")
+            try:
+                self.ac.messages.create(
+                    model=TOOLS_MODEL,
+                    max_tokens=2,
+                    messages=[
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x"}]}
+                    ],
+                )
+            except anthropic.BadRequestError as exc:
+                ok("unexpected `tool_use_id`" in str(exc), str(exc))
+            else:
+                raise Failed("a tool_result without its tool_use was served")
+            return "openai 400 messages.[1].role, anthropic 400 unexpected tool_use_id"
 
         self.checks(
             6,
@@ -857,6 +894,11 @@ class Trial:
                     "/v1/responses function_call_output follow-up, streamed: answers, cached_tokens > 0",
                     responses_tool_output,
                 ),
+                (
+                    "/v1/responses input_items of the follow-up, and input_tokens == its input_tokens",
+                    responses_items_and_count,
+                ),
+                ("a tool result without its call: each API's 400", unpaired_results),
                 ("anthropic tools, tool_choice any: a tool_use block with a valid input", anthropic_tools),
                 ("anthropic tool_result follow-up: answers, hit", anthropic_tool_result),
             ],
