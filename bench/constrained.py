@@ -6,7 +6,8 @@ Each variant runs `streams` greedy jobs at once on the embedded engine (the real
 `tokens` tokens each (ignore_eos, so every variant decodes as many), and reports the decode phase's
 milliseconds per token (first token -> end, over all streams) as a median of `reps`, variants
 interleaved: plain text; a JSON Schema grammar (xgrammar's mask on every token: what
-response_format json_schema costs); a forced Hermes tool call's grammar (tool_choice named). Tool
+response_format json_schema costs); a forced Hermes tool call's grammar (tool_choice named); strict
+tools under a free choice (free text until a call's start tag: the prompt asks for none). Tool
 parsing (the hermes parser over the streamed deltas, on the serving layer's thread) is timed on the
 answers the tool-call variant produced. Run it alone on the machine.
 """
@@ -31,7 +32,7 @@ from local_runner.loader import load_model
 from local_runner.sampling import Sampler
 from proxy.local.config import engine_config
 from proxy.serving.structured import response_format_grammar
-from proxy.serving.tools import ToolCallParser, forced_call_grammar, tool_request
+from proxy.serving.tools import ToolCallParser, forced_call_grammar, strict_calls_grammar, tool_request
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 from .support.waiting import wait_until
@@ -58,21 +59,32 @@ def grammars() -> dict[str, str | None]:
     named = tool_request(
         {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "write_notes"}}}
     )
-    assert named is not None
+    strict = tool_request({"tools": [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]})
+    assert named is not None and strict is not None
     return {
         "plain": None,
         "json_schema": response_format_grammar(fmt),
         "tool_call": forced_call_grammar(named, "hermes"),
+        "strict_auto": strict_calls_grammar(strict, "hermes"),
     }
 
 
+# Variants whose answer is free text, the end of text included: they decode all `tokens` (ignore_eos).
+FREE_TEXT = ("plain", "strict_auto")
+
+
 async def run_variant(
-    engine: EmbeddedEngine, compiled: object | None, prompt: list[int], streams: int, tokens: int
+    engine: EmbeddedEngine,
+    compiled: object | None,
+    prompt: list[int],
+    streams: int,
+    tokens: int,
+    free_text: bool = True,
 ) -> tuple[float, list[list[str]]]:
     """(decode ms per token over all streams, each stream's text deltas)."""
 
     async def one() -> tuple[float, float, int, list[str]]:
-        sampling = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=compiled is None)
+        sampling = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=free_text)
         job = engine.submit(
             GenerationRequest(DEFAULT_MODEL_NAME, prompt, sampling, reuse=False, compiled_grammar=compiled)
         )
@@ -137,7 +149,9 @@ async def main_async(args: argparse.Namespace) -> None:
             await run_variant(engine, None, prompt, streams, 8)  # warm the shapes
             for _ in range(args.reps):
                 for name, grammar in compiled.items():
-                    ms, texts = await run_variant(engine, grammar, prompt, streams, args.tokens)
+                    ms, texts = await run_variant(
+                        engine, grammar, prompt, streams, args.tokens, free_text=name in FREE_TEXT
+                    )
                     times[name].append(ms)
                     if name == "tool_call":
                         answers = texts

@@ -299,7 +299,10 @@ class JobState:
         return {str(t): n for t, n in self.match.tokens_by_tier().items()}
 
     def _accept(self, token: int) -> None:
-        if token in self.lm.eos_token_ids and not self.job.request.sampling.ignore_eos:
+        # `ignore_eos` decodes past the end of text, never past the end of a grammar: once the grammar
+        # has taken the end of text (its matcher then allows nothing more), the answer is complete.
+        ignore_eos = self.job.request.sampling.ignore_eos and not self.sampler.grammar_done
+        if token in self.lm.eos_token_ids and not ignore_eos:
             self.finish("stop")
             return
         self.generated.append(token)

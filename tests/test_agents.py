@@ -95,6 +95,35 @@ def check_required(c: openai.OpenAI) -> None:
         jsonschema.validate(json.loads(calls[0].function.arguments), schemas[calls[0].function.name])
 
 
+# A call the model copies from its prompt whose unit is outside get_weather's enum.
+OUT_OF_SCHEMA = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "K"}}\n</tool_call>'
+)
+
+
+def strict(tools: list[dict]) -> list[dict]:
+    return [{**t, "function": {**t["function"], "strict": True}} for t in tools]
+
+
+def test_strict_tools_under_auto_hold_a_call_to_its_schema(server):
+    """OpenAI's strict function calling with a free choice: the same answer without `strict` is a call
+    whose arguments break the schema; with it, the call follows the schema."""
+    check_strict_tools(client(server))
+
+
+def check_strict_tools(c: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Repeat exactly, with nothing else: " + OUT_OF_SCHEMA}]
+    schema = WEATHER["function"]["parameters"]
+    for tools, valid in ((TOOLS, False), (strict(TOOLS), True)):
+        answer = c.chat.completions.create(
+            model=MODEL, messages=messages, tools=tools, temperature=0, max_tokens=40
+        )
+        (call,) = answer.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and answer.choices[0].finish_reason == "tool_calls"
+        arguments = json.loads(call.function.arguments)
+        assert jsonschema.Draft202012Validator(schema).is_valid(arguments) is valid, arguments
+
+
 def test_tools_with_a_response_format_answer_with_a_call_or_the_format(server):
     """`tool_choice: auto` with response_format: a call is still possible (the grammar is a call or the
     format's JSON, as OpenAI's models may do either). On this prompt the greedy answer is a call (under
@@ -191,6 +220,48 @@ def check_json_object_and_an_invalid_schema(c: openai.OpenAI) -> None:
             model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format=bad
         )
     assert refused.value.body["param"] == "response_format"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_ignore_eos_decodes_to_a_grammars_end_and_no_further(server, stream):
+    """vLLM's `ignore_eos` with a grammar: the answer ends where the grammar does (before, the job
+    failed with a 500 once the grammar had taken the end of text)."""
+    c = client(server)
+    small = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": small}}
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give a JSON object with one key a."}],
+        response_format=fmt,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    if stream:
+        chunks = [ch for ch in c.chat.completions.create(stream=True, **kwargs) if ch.choices]
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        answer = c.chat.completions.create(**kwargs)
+        text, finish = answer.choices[0].message.content, answer.choices[0].finish_reason
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), small)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    called = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=TOOLS,
+        tool_choice=named,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert called.choices[0].finish_reason == "tool_calls" and called.choices[0].message.tool_calls
 
 
 def test_top_logprobs_give_five_alternatives_with_the_chosen_token_first(server):

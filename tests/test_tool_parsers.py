@@ -7,7 +7,15 @@ import json
 
 import pytest
 
-from proxy.serving.tools import ToolCallParser, detect_parser
+from proxy.errors import APIError
+from proxy.serving.tools import (
+    ToolCallParser,
+    ToolRequest,
+    detect_parser,
+    responses_tool_request,
+    strict_calls_grammar,
+    tool_request,
+)
 
 
 def feed_all(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
@@ -211,3 +219,90 @@ def test_an_empty_answer_is_one_empty_message_the_same_in_the_stream_and_the_sto
     responses_events(quiet, [])
     done = quiet.done[0]
     assert quiet.body(done)["output"] == quiet.body(done)["output"]
+
+
+# -- strict tools under a free choice: the grammar (xgrammar's own string check, no model) --------------
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+
+
+def strict_request(*, parallel: bool = True, api: str = "chat") -> ToolRequest:
+    weather = {"name": "get_weather", "parameters": CITY, "strict": True}
+    note = {"name": "note", "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}
+    if api == "responses":
+        body = {
+            "tools": [{"type": "function", **f} for f in (weather, note)],
+            "parallel_tool_calls": parallel,
+        }
+        req = responses_tool_request(body)
+    else:
+        body = {
+            "tools": [{"type": "function", "function": f} for f in (weather, note)],
+            "parallel_tool_calls": parallel,
+        }
+        req = tool_request(body)
+    assert req is not None
+    return req
+
+
+def accepts(grammar: str | None, text: str) -> bool:
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    assert grammar is not None
+    return _is_grammar_accept_string(xgr.Grammar.from_ebnf(grammar), text)
+
+
+def hermes(call: str) -> str:
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+LISBON = '{"name": "get_weather", "arguments": {"city": "Lisbon", "unit": "C"}}'
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_strict_tools_under_auto_let_text_be_and_hold_a_call_to_its_schema(api):
+    req = strict_request(api=api)
+    assert req.strict == {"get_weather"}
+    grammar = strict_calls_grammar(req, "hermes")
+    assert accepts(grammar, "It is sunny in Lisbon {as ever}.")
+    assert accepts(grammar, "Let me check. " + hermes(LISBON))
+    assert accepts(grammar, hermes(LISBON) + "\n" + hermes('{"name": "note", "arguments": {"any": [1, 2]}}'))
+    assert not accepts(
+        grammar, hermes('{"name": "get_weather", "arguments": {"city": "Lisbon", "unit": "K"}}')
+    )
+    assert not accepts(grammar, hermes('{"name": "get_weather", "arguments": {"city": "Lisbon"}}'))
+    assert not accepts(grammar, hermes('{"name": "get_time", "arguments": {}}'))
+    assert not accepts(grammar, hermes('{"name": "note", "arguments": "text"}'))  # an object, strict or not
+    assert not accepts(grammar, hermes(LISBON.replace(", ", ",")))  # the template's separators
+
+
+def test_strict_tools_without_parallel_calls_end_the_answer_at_its_first_call():
+    grammar = strict_calls_grammar(strict_request(parallel=False), "hermes")
+    assert accepts(grammar, "Checking. " + hermes(LISBON))
+    assert not accepts(grammar, hermes(LISBON) + " and more")
+
+
+def test_strict_mistral_calls_are_one_json_array_to_the_end_and_llama3_json_has_no_trigger():
+    req = strict_request()
+    grammar = strict_calls_grammar(req, "mistral")
+    two = f"[TOOL_CALLS][{LISBON}, {LISBON.replace('Lisbon', 'Porto')}]"
+    assert accepts(grammar, "Checking. " + two)
+    assert not accepts(grammar, two + " done")
+    assert not accepts(grammar, f"[TOOL_CALLS][{LISBON.replace('C', 'K', 1)}]")
+    assert not accepts(strict_calls_grammar(strict_request(parallel=False), "mistral"), two)
+    assert strict_calls_grammar(req, "llama3_json") is None
+
+
+def test_a_strict_that_is_not_a_boolean_is_a_400():
+    with pytest.raises(APIError) as bad:
+        tool_request({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]})
+    assert bad.value.param == "tools"
+    with pytest.raises(APIError) as bad:
+        responses_tool_request({"tools": [{"type": "function", "name": "f", "strict": 1}]})
+    assert bad.value.param == "tools[0].strict"

@@ -305,6 +305,7 @@ def test_at_the_default_dtype_hits_survive_a_restart_a_corrupt_file_is_a_miss_an
     agents.check_n_answers(c, again.url, stream=True, forks=False)
     agents.check_agent_loop(c, turns=8, chunk=128)
     agents.check_call_or_format(c, expect_call=False)
+    agents.check_strict_tools(c)
 
 
 @pytest.mark.redis

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ class ToolRequest:
     choice: str  # "none" | "auto" | "required" | "named"
     named: str | None = None  # the function a named choice forces
     parallel: bool = True
+    strict: frozenset[str] = frozenset()  # the functions declared `strict: true`
 
     @property
     def max_calls(self) -> int | None:
@@ -102,7 +104,7 @@ def tool_request(body: dict[str, Any]) -> ToolRequest | None:
     tools, choice = _tools_and_choice(body)
     if tools is None:
         return None
-    names = set()
+    names, strict = set(), set()
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
@@ -114,12 +116,16 @@ def tool_request(body: dict[str, Any]) -> ToolRequest | None:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON Schema object.", param="tools")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise bad_request(f"tools[{i}].function.strict must be a boolean.", param="tools")
         names.add(fn["name"])
+        if fn.get("strict"):
+            strict.add(fn["name"])
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise bad_request("'parallel_tool_calls' must be a boolean.", param="parallel_tool_calls")
     if choice is None or choice in ("none", "auto", "required"):
-        return ToolRequest(tuple(tools), choice or "auto", parallel=parallel)
+        return ToolRequest(tuple(tools), choice or "auto", parallel=parallel, strict=frozenset(strict))
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(fn, dict) or choice.get("type") != "function" or fn.get("name") not in names:
         raise bad_request(
@@ -127,7 +133,7 @@ def tool_request(body: dict[str, Any]) -> ToolRequest | None:
             "{'name': <one of the tools>}}.",
             param="tool_choice",
         )
-    return ToolRequest(tuple(tools), "named", fn["name"], parallel)
+    return ToolRequest(tuple(tools), "named", fn["name"], parallel, frozenset(strict))
 
 
 def responses_tool_request(body: dict[str, Any]) -> ToolRequest | None:
@@ -147,7 +153,10 @@ def responses_tool_request(body: dict[str, Any]) -> ToolRequest | None:
             raise bad_request(
                 f"tools[{i}].parameters must be a JSON Schema object.", param=f"tools[{i}].parameters"
             )
-        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
+            raise bad_request(f"tools[{i}].strict must be a boolean.", param=f"tools[{i}].strict")
+        keys = ("name", "description", "parameters", "strict")
+        function = {k: tool[k] for k in keys if tool.get(k) is not None}
         chat_tools.append({"type": "function", "function": function})
         names.add(tool["name"])
     chat: dict[str, Any] = {"tools": chat_tools, "parallel_tool_calls": body.get("parallel_tool_calls", True)}
@@ -176,20 +185,28 @@ def _call_schema(name: str, parameters: dict[str, Any], arguments_key: str) -> d
     }
 
 
+def _call_json(parser: str, schemas: dict[str, dict[str, Any]]) -> Any:
+    """The grammar of one call's JSON object (`{"name": ..., "arguments": ...}`) of any function in
+    `schemas` (name -> its arguments' schema), written with `tojson`'s separators. A schema xgrammar
+    cannot compile is the client's 400."""
+    import xgrammar as xgr
+
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    variants = [_call_schema(name, schema, key) for name, schema in schemas.items()]
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    try:
+        return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS)
+    except (RuntimeError, ValueError) as exc:
+        raise bad_request(f"a tool's parameters schema cannot be compiled: {exc}", param="tools") from None
+
+
 def forced_call_grammar(req: ToolRequest, parser: str) -> str:
     """xgrammar EBNF for one call of the named function (or of any tool, for `required`), written as
     the parser's format writes it. A schema xgrammar cannot compile is the client's 400."""
     import xgrammar as xgr
 
     schemas = req.schemas()
-    names = [req.named] if req.named else list(schemas)
-    key = "parameters" if parser == "llama3_json" else "arguments"
-    variants = [_call_schema(n, schemas[n], key) for n in names]
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    try:
-        call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS)
-    except (RuntimeError, ValueError) as exc:
-        raise bad_request(f"a tool's parameters schema cannot be compiled: {exc}", param="tools") from None
+    call = _call_json(parser, {req.named: schemas[req.named]} if req.named else schemas)
     if parser == "hermes":
         return str(xgr.Grammar.concat(_literal("<tool_call>\n"), call, _literal("\n</tool_call>")))
     if parser == "mistral":
@@ -205,6 +222,41 @@ def call_or_answer_grammar(req: ToolRequest, parser: str, answer: str) -> str:
 
     call = forced_call_grammar(dataclasses.replace(req, choice="required", named=None), parser)
     return str(xgr.Grammar.union(xgr.Grammar.from_ebnf(call), xgr.Grammar.from_ebnf(answer)))
+
+
+def strict_calls_grammar(req: ToolRequest, parser: str) -> str | None:
+    """A free choice (`auto`) with `strict` tools, OpenAI's strict function calling: the answer is any
+    text, and once a call's start tag is written the call is one of the tools', a strict tool's
+    arguments following its schema (another's, any JSON object), closed by its end tag (xgrammar's
+    triggered structural tags); without parallel calls, the answer ends after the first. None for a
+    format whose calls have no start tag to trigger on (llama3_json: a call is the whole answer)."""
+    import xgrammar as xgr
+    from xgrammar import structural_tag as tags
+
+    if parser == "llama3_json":
+        return None
+    schemas = {
+        name: schema if name in req.strict else {"type": "object"} for name, schema in req.schemas().items()
+    }
+    call = _call_json(parser, schemas)
+    if parser == "hermes":  # the trigger is the start tag; the call's JSON follows its newline
+        trigger, begin, content, end = "<tool_call>", "<tool_call>\n", call, "\n</tool_call>"
+    else:  # mistral: [TOOL_CALLS] and the calls' JSON array, which runs to the end of the answer
+        trigger, begin, end = "[TOOL_CALLS]", "[TOOL_CALLS][", "]"
+        content = _repeated(call) if req.parallel else call
+    tag = tags.TagFormat(begin=begin, content=tags.GrammarFormat(grammar=str(content)), end=end)
+    triggered = tags.TriggeredTagsFormat(
+        triggers=[trigger], tags=[tag], stop_after_first=not req.parallel or parser == "mistral"
+    )
+    return str(xgr.Grammar.from_structural_tag(tags.StructuralTag(format=triggered)))
+
+
+def _repeated(call: Any) -> Any:
+    """One call or more, separated as `tojson` separates a list's items."""
+    import xgrammar as xgr
+
+    ebnf = re.sub(r"^root ::=", "call ::=", str(call), count=1, flags=re.MULTILINE)
+    return xgr.Grammar.from_ebnf(f'root ::= call (", " call)*\n{ebnf}')
 
 
 def _literal(text: str) -> Any:
