@@ -7,6 +7,7 @@ SDK raises the right exception; `x-api-key` auth; upstream models passed through
 from __future__ import annotations
 
 import anthropic
+import jsonschema
 import orjson
 import pytest
 
@@ -362,6 +363,30 @@ def test_a_tool_round_trip_tool_use_then_result_then_answer(server, stream):
 
 
 @pytest.mark.model
+def test_a_strict_tools_input_follows_its_schema(server):
+    """Strict tool use: the prompt has the model copy a call whose unit is outside the enum; without
+    `strict` the tool_use input breaks the schema, with it the input follows it."""
+    weather = shared_tools.WEATHER["function"]
+    tool = {
+        "name": weather["name"],
+        "description": weather["description"],
+        "input_schema": weather["parameters"],
+    }
+    messages = [{"role": "user", "content": "Repeat exactly, with nothing else: " + agents.OUT_OF_SCHEMA}]
+    for tools, valid in (([tool], False), ([{**tool, "strict": True}], True)):
+        msg = client(server).messages.create(
+            model=MODEL, max_tokens=40, tools=tools, messages=messages, extra_body=GREEDY
+        )
+        (use,) = [b for b in msg.content if b.type == "tool_use"]
+        assert msg.stop_reason == "tool_use"
+        assert jsonschema.Draft202012Validator(weather["parameters"]).is_valid(use.input) is valid, use.input
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client(server).messages.create(
+            model=MODEL, max_tokens=4, tools=[{**tool, "strict": "yes"}], messages=messages
+        )
+    assert "tools.0.strict" in str(bad.value)
+
+
 def test_count_tokens_equals_the_turns_prompt(server):
     c = client(server)
     kwargs = dict(

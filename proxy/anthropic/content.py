@@ -292,6 +292,11 @@ def convert_tools(body: dict[str, Any], hints: Hints) -> tuple[list[dict[str, An
         fn: dict[str, Any] = {"name": name, "parameters": schema}
         if description is not None:
             fn["description"] = description
+        strict = tool.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise fail(f"{where}.strict", "Input should be a valid boolean")
+        if strict:  # strict tool use: its input follows input_schema, as OpenAI's strict calls
+            fn["strict"] = True
         out.append({"type": "function", "function": fn})
         names.append(name)
     return out, unserved, names
