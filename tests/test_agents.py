@@ -226,7 +226,10 @@ def check_json_object_and_an_invalid_schema(c: openai.OpenAI) -> None:
 def test_ignore_eos_decodes_to_a_grammars_end_and_no_further(server, stream):
     """vLLM's `ignore_eos` with a grammar: the answer ends where the grammar does (before, the job
     failed with a 500 once the grammar had taken the end of text)."""
-    c = client(server)
+    check_ignore_eos_under_a_grammar(client(server), stream)
+
+
+def check_ignore_eos_under_a_grammar(c: openai.OpenAI, stream: bool) -> None:
     small = {
         "type": "object",
         "properties": {"a": {"type": "integer"}},

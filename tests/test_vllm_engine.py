@@ -306,6 +306,7 @@ def test_at_the_default_dtype_hits_survive_a_restart_a_corrupt_file_is_a_miss_an
     agents.check_agent_loop(c, turns=8, chunk=128)
     agents.check_call_or_format(c, expect_call=False)
     agents.check_strict_tools(c)
+    agents.check_ignore_eos_under_a_grammar(c, stream=True)
 
 
 @pytest.mark.redis

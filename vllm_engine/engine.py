@@ -263,7 +263,9 @@ def _completion_body(model: ServedModel, gen: GenerationRequest, turn_id: str) -
         "top_p": sampling.top_p,
         "seed": sampling.seed,
         "stop": sampling.stop or None,
-        "ignore_eos": sampling.ignore_eos,
+        # ignore_eos decodes past the end of text, never past a grammar's end (the embedded engine's
+        # rule): under a grammar the end of text comes only where the grammar ends, so it is dropped.
+        "ignore_eos": sampling.ignore_eos and sampling.grammar is None,
         "stream": True,
         "stream_options": {"include_usage": True},
         "cache_salt": f"attnstore-{gen.namespace}",
