@@ -32,7 +32,7 @@ from local_runner.loader import load_model
 from local_runner.sampling import Sampler
 from proxy.local.config import engine_config
 from proxy.serving.structured import response_format_grammar
-from proxy.serving.tools import ToolCallParser, forced_call_grammar, strict_calls_grammar, tool_request
+from proxy.serving.tools import ToolCallParser, constrained_calls_grammar, forced_call_grammar, tool_request
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
 
 from .support.waiting import wait_until
@@ -65,7 +65,7 @@ def grammars() -> dict[str, str | None]:
         "plain": None,
         "json_schema": response_format_grammar(fmt),
         "tool_call": forced_call_grammar(named, "hermes"),
-        "strict_auto": strict_calls_grammar(strict, "hermes"),
+        "strict_auto": constrained_calls_grammar(strict, "hermes"),
     }
 
 

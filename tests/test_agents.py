@@ -124,6 +124,27 @@ def check_strict_tools(c: openai.OpenAI) -> None:
         assert jsonschema.Draft202012Validator(schema).is_valid(arguments) is valid, arguments
 
 
+def test_allowed_tools_narrow_the_choice_with_the_same_prompt(server):
+    """tool_choice allowed_tools: every tool is still rendered (the prompt, and so its KV, is the one
+    without the choice), and calls name only the allowed functions: required, a call of the one allowed;
+    auto, the copied get_weather call becomes a call of the allowed function."""
+    c = client(server)
+    messages = [{"role": "user", "content": "Repeat exactly, with nothing else: " + OUT_OF_SCHEMA}]
+    only = [{"type": "function", "function": {"name": "search_files"}}]
+    plain = c.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=40
+    )
+    assert [t.function.name for t in plain.choices[0].message.tool_calls] == ["get_weather"]
+    for mode in ("required", "auto"):
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": only}}
+        answer = c.chat.completions.create(
+            model=MODEL, messages=messages, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=160
+        )
+        assert answer.usage.prompt_tokens == plain.usage.prompt_tokens
+        calls = answer.choices[0].message.tool_calls or []
+        assert [t.function.name for t in calls] == ["search_files"], (mode, answer.choices[0].message)
+
+
 def test_tools_with_a_response_format_answer_with_a_call_or_the_format(server):
     """`tool_choice: auto` with response_format: a call is still possible (the grammar is a call or the
     format's JSON, as OpenAI's models may do either). On this prompt the greedy answer is a call (under

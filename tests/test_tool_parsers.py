@@ -11,9 +11,10 @@ from proxy.errors import APIError
 from proxy.serving.tools import (
     ToolCallParser,
     ToolRequest,
+    constrained_calls_grammar,
     detect_parser,
+    forced_call_grammar,
     responses_tool_request,
-    strict_calls_grammar,
     tool_request,
 )
 
@@ -269,7 +270,7 @@ LISBON = '{"name": "get_weather", "arguments": {"city": "Lisbon", "unit": "C"}}'
 def test_strict_tools_under_auto_let_text_be_and_hold_a_call_to_its_schema(api):
     req = strict_request(api=api)
     assert req.strict == {"get_weather"}
-    grammar = strict_calls_grammar(req, "hermes")
+    grammar = constrained_calls_grammar(req, "hermes")
     assert accepts(grammar, "It is sunny in Lisbon {as ever}.")
     assert accepts(grammar, "Let me check. " + hermes(LISBON))
     assert accepts(grammar, hermes(LISBON) + "\n" + hermes('{"name": "note", "arguments": {"any": [1, 2]}}'))
@@ -283,20 +284,20 @@ def test_strict_tools_under_auto_let_text_be_and_hold_a_call_to_its_schema(api):
 
 
 def test_strict_tools_without_parallel_calls_end_the_answer_at_its_first_call():
-    grammar = strict_calls_grammar(strict_request(parallel=False), "hermes")
+    grammar = constrained_calls_grammar(strict_request(parallel=False), "hermes")
     assert accepts(grammar, "Checking. " + hermes(LISBON))
     assert not accepts(grammar, hermes(LISBON) + " and more")
 
 
 def test_strict_mistral_calls_are_one_json_array_to_the_end_and_llama3_json_has_no_trigger():
     req = strict_request()
-    grammar = strict_calls_grammar(req, "mistral")
+    grammar = constrained_calls_grammar(req, "mistral")
     two = f"[TOOL_CALLS][{LISBON}, {LISBON.replace('Lisbon', 'Porto')}]"
     assert accepts(grammar, "Checking. " + two)
     assert not accepts(grammar, two + " done")
     assert not accepts(grammar, f"[TOOL_CALLS][{LISBON.replace('C', 'K', 1)}]")
-    assert not accepts(strict_calls_grammar(strict_request(parallel=False), "mistral"), two)
-    assert strict_calls_grammar(req, "llama3_json") is None
+    assert not accepts(constrained_calls_grammar(strict_request(parallel=False), "mistral"), two)
+    assert constrained_calls_grammar(req, "llama3_json") is None
 
 
 def test_a_strict_that_is_not_a_boolean_is_a_400():
@@ -306,3 +307,55 @@ def test_a_strict_that_is_not_a_boolean_is_a_400():
     with pytest.raises(APIError) as bad:
         responses_tool_request({"tools": [{"type": "function", "name": "f", "strict": 1}]})
     assert bad.value.param == "tools[0].strict"
+
+
+# -- allowed_tools: every tool rendered, the choice narrowed ----------------------------------------------
+
+
+def allowed_choice(mode: str, api: str = "chat") -> ToolRequest:
+    tools = [
+        {"name": "get_weather", "parameters": CITY},
+        {"name": "note", "parameters": {"type": "object"}},
+    ]
+    if api == "responses":
+        choice = {
+            "type": "allowed_tools",
+            "mode": mode,
+            "tools": [{"type": "function", "name": "get_weather"}],
+        }
+        req = responses_tool_request(
+            {"tools": [{"type": "function", **t} for t in tools], "tool_choice": choice}
+        )
+    else:
+        listed = [{"type": "function", "function": {"name": "get_weather"}}]
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": listed}}
+        req = tool_request(
+            {"tools": [{"type": "function", "function": t} for t in tools], "tool_choice": choice}
+        )
+    assert req is not None
+    return req
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_allowed_tools_narrow_the_calls_and_keep_every_tool_rendered(api):
+    free = allowed_choice("auto", api)
+    assert (free.choice, free.allowed, len(free.tools)) == ("auto", {"get_weather"}, 2)
+    grammar = constrained_calls_grammar(free, "hermes")
+    assert accepts(grammar, "Plain text.") and accepts(grammar, "Checking. " + hermes(LISBON))
+    assert not accepts(grammar, hermes('{"name": "note", "arguments": {}}'))
+    forced = allowed_choice("required", api)
+    call = forced_call_grammar(forced, "hermes")
+    assert accepts(call, hermes(LISBON)) and not accepts(call, hermes('{"name": "note", "arguments": {}}'))
+
+
+def test_a_bad_allowed_tools_choice_is_a_400():
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    cases = [
+        ({"mode": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]}, "mode"),
+        ({"mode": "auto", "tools": []}, "tools"),
+        ({"mode": "auto", "tools": [{"type": "function", "function": {"name": "g"}}]}, "tools"),
+    ]
+    for spec, field in cases:
+        with pytest.raises(APIError) as bad:
+            tool_request({"tools": tools, "tool_choice": {"type": "allowed_tools", "allowed_tools": spec}})
+        assert bad.value.param == f"tool_choice.allowed_tools.{field}"

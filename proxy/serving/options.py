@@ -47,9 +47,19 @@ def _tools_unrendered(has_tools: bool, messages: list[dict[str, Any]], setup: Ch
     return used and not (setup.tools and setup.parser)
 
 
+# A free choice narrowed by allowed_tools is held to its functions by a grammar triggered at a call's
+# start tag; a llama3_json call is the whole answer, with no start tag to trigger on.
+LLAMA3_ALLOWED_AUTO = "allowed_tools in mode auto is not served locally for llama3_json models"
+
+
 def _chat_unsupported(body: dict[str, Any], setup: ChatSetup) -> str | None:
     if _tools_unrendered(bool(body.get("tools")), body["messages"], setup):
         return NO_TOOLS_TEMPLATE
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools" and setup.parser == "llama3_json":
+        spec = choice.get("allowed_tools")
+        if isinstance(spec, dict) and spec.get("mode") == "auto":
+            return LLAMA3_ALLOWED_AUTO
     if body.get("functions") or body.get("function_call") not in (None, "none"):
         return "functions (the deprecated form of tools) are not served locally"
     modalities = body.get("modalities")
@@ -98,7 +108,15 @@ def _responses_unsupported(req: ResponsesRequest, setup: ChatSetup) -> str | Non
     if kinds:  # the hosted tools (web search, file search, MCP, ...) are OpenAI's to run
         return f"tools of type {sorted(map(str, kinds))[0]!r} are not served locally"
     choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") != "function":
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        listed = choice.get("tools")
+        if isinstance(listed, list) and any(
+            isinstance(t, dict) and t.get("type") != "function" for t in listed
+        ):
+            return "allowed_tools naming hosted tools are not served locally"
+        if choice.get("mode") == "auto" and setup.parser == "llama3_json":
+            return LLAMA3_ALLOWED_AUTO
+    elif isinstance(choice, dict) and choice.get("type") != "function":
         return f"a tool_choice of type {choice.get('type')!r} is not served locally"
     if _tools_unrendered(bool(tools), req.input_messages or [], setup):
         return NO_TOOLS_TEMPLATE

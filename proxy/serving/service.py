@@ -58,11 +58,11 @@ from .tools import (
     ToolCallParser,
     ToolRequest,
     call_or_answer_grammar,
+    constrained_calls_grammar,
     detect_parser,
     forced_call_grammar,
     renders_tools,
     responses_tool_request,
-    strict_calls_grammar,
     tool_request,
 )
 
@@ -255,8 +255,8 @@ class LocalServing:
 
     def _grammar(self, req: ApiRequest, tools: ToolRequest | None) -> str | None:
         """The grammar the answer is decoded under: a forced tool call, else response_format's JSON (or
-        a call, when the choice of one is free), else, with strict tools, text whose calls follow their
-        schemas."""
+        a call, when the choice of one is free), else, with strict tools or allowed_tools, text whose
+        calls follow their schemas and name an allowed function."""
         parser = self.setup(req.model).parser
         if tools is not None and tools.choice in ("required", "named"):
             assert parser is not None  # supports() sent tools without a parser elsewhere
@@ -264,8 +264,8 @@ class LocalServing:
         answer = _answer_format(req)
         if answer is not None and tools is not None and tools.choice == "auto" and parser is not None:
             return call_or_answer_grammar(tools, parser, answer)
-        if answer is None and tools is not None and tools.choice == "auto" and tools.strict and parser:
-            return strict_calls_grammar(tools, parser)
+        if answer is None and tools is not None and tools.choice == "auto" and tools.constrained and parser:
+            return constrained_calls_grammar(tools, parser)
         return answer
 
     def _may_overflow(self, req: ApiRequest) -> bool:

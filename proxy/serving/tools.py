@@ -66,6 +66,9 @@ class ToolRequest:
     named: str | None = None  # the function a named choice forces
     parallel: bool = True
     strict: frozenset[str] = frozenset()  # the functions declared `strict: true`
+    # The functions a call may name (tool_choice `allowed_tools`: every tool is rendered, so the prompt
+    # and its KV stay the same while the choice narrows); None: any tool.
+    allowed: frozenset[str] | None = None
 
     @property
     def max_calls(self) -> int | None:
@@ -81,9 +84,17 @@ class ToolRequest:
         return [HERMES_CALL[1]]
 
     def schemas(self) -> dict[str, dict[str, Any]]:
+        """The arguments' schema of each function a call may name."""
         return {
-            t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools
+            t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
+            for t in self.tools
+            if self.allowed is None or t["function"]["name"] in self.allowed
         }
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a free choice's calls are held to a grammar: strict tools, or a narrowed choice."""
+        return bool(self.strict) or self.allowed is not None
 
 
 def _tools_and_choice(body: dict[str, Any]) -> tuple[list[Any] | None, Any]:
@@ -126,6 +137,9 @@ def tool_request(body: dict[str, Any]) -> ToolRequest | None:
         raise bad_request("'parallel_tool_calls' must be a boolean.", param="parallel_tool_calls")
     if choice is None or choice in ("none", "auto", "required"):
         return ToolRequest(tuple(tools), choice or "auto", parallel=parallel, strict=frozenset(strict))
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        mode, allowed = _allowed_tools(choice.get("allowed_tools"), names)
+        return ToolRequest(tuple(tools), mode, parallel=parallel, strict=frozenset(strict), allowed=allowed)
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(fn, dict) or choice.get("type") != "function" or fn.get("name") not in names:
         raise bad_request(
@@ -134,6 +148,27 @@ def tool_request(body: dict[str, Any]) -> ToolRequest | None:
             param="tool_choice",
         )
     return ToolRequest(tuple(tools), "named", fn["name"], parallel, frozenset(strict))
+
+
+def _allowed_tools(spec: object, names: set[str]) -> tuple[str, frozenset[str]]:
+    """A chat tool_choice's `allowed_tools` ({"mode": "auto" | "required", "tools": [{"type":
+    "function", "function": {"name": ...}}, ...]}): its mode and the functions it names."""
+    param = "tool_choice.allowed_tools"
+    if not isinstance(spec, dict) or spec.get("mode") not in ("auto", "required"):
+        raise bad_request(f"'{param}.mode' must be 'auto' or 'required'.", param=f"{param}.mode")
+    listed = spec.get("tools")
+    if not isinstance(listed, list) or not listed:
+        raise bad_request(f"'{param}.tools' must be a non-empty array.", param=f"{param}.tools")
+    allowed = set()
+    for j, tool in enumerate(listed):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type") != "function" or fn.get("name") not in names:
+            raise bad_request(
+                f"{param}.tools[{j}] must be {{'type': 'function', 'function': {{'name': <one of the tools>}}}}.",
+                param=f"{param}.tools",
+            )
+        allowed.add(fn["name"])
+    return spec["mode"], frozenset(allowed)
 
 
 def responses_tool_request(body: dict[str, Any]) -> ToolRequest | None:
@@ -160,7 +195,15 @@ def responses_tool_request(body: dict[str, Any]) -> ToolRequest | None:
         chat_tools.append({"type": "function", "function": function})
         names.add(tool["name"])
     chat: dict[str, Any] = {"tools": chat_tools, "parallel_tool_calls": body.get("parallel_tool_calls", True)}
-    if isinstance(choice, dict):
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        listed = choice.get("tools")
+        chat_listed = [
+            {"type": t.get("type"), "function": {"name": t.get("name")}} if isinstance(t, dict) else t
+            for t in (listed if isinstance(listed, list) else [])
+        ]
+        spec = {"mode": choice.get("mode"), "tools": chat_listed if isinstance(listed, list) else listed}
+        chat["tool_choice"] = {"type": "allowed_tools", "allowed_tools": spec}
+    elif isinstance(choice, dict):
         if choice.get("name") not in names:
             raise bad_request(
                 "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': <one of "
@@ -224,12 +267,13 @@ def call_or_answer_grammar(req: ToolRequest, parser: str, answer: str) -> str:
     return str(xgr.Grammar.union(xgr.Grammar.from_ebnf(call), xgr.Grammar.from_ebnf(answer)))
 
 
-def strict_calls_grammar(req: ToolRequest, parser: str) -> str | None:
-    """A free choice (`auto`) with `strict` tools, OpenAI's strict function calling: the answer is any
-    text, and once a call's start tag is written the call is one of the tools', a strict tool's
-    arguments following its schema (another's, any JSON object), closed by its end tag (xgrammar's
-    triggered structural tags); without parallel calls, the answer ends after the first. None for a
-    format whose calls have no start tag to trigger on (llama3_json: a call is the whole answer)."""
+def constrained_calls_grammar(req: ToolRequest, parser: str) -> str | None:
+    """A free choice (`auto`) whose calls are constrained (`req.constrained`: OpenAI's strict function
+    calling, or `allowed_tools` in mode auto): the answer is any text, and once a call's start tag is
+    written the call is one of a function the choice allows, a strict tool's arguments following its
+    schema (another's, any JSON object), closed by its end tag (xgrammar's triggered structural tags);
+    without parallel calls, the answer ends after the first. None for a format whose calls have no start
+    tag to trigger on (llama3_json: a call is the whole answer)."""
     import xgrammar as xgr
     from xgrammar import structural_tag as tags
 
