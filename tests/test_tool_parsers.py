@@ -359,3 +359,22 @@ def test_a_bad_allowed_tools_choice_is_a_400():
         with pytest.raises(APIError) as bad:
             tool_request({"tools": tools, "tool_choice": {"type": "allowed_tools", "allowed_tools": spec}})
         assert bad.value.param == f"tool_choice.allowed_tools.{field}"
+
+
+def test_allowed_tools_under_auto_for_llama3_json_is_not_served_locally():
+    import orjson
+
+    from proxy.openai.requests import parse_chat
+    from proxy.serving.options import LLAMA3_ALLOWED_AUTO, ChatSetup, unsupported_reason
+
+    listed = [{"type": "function", "function": {"name": "f"}}]
+    for mode, reason in (("auto", LLAMA3_ALLOWED_AUTO), ("required", None)):
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": listed,
+            "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": listed}},
+        }
+        req = parse_chat(orjson.dumps(body))
+        assert unsupported_reason(req, ChatSetup(tools=True, parser="llama3_json")) == reason
+        assert unsupported_reason(req, ChatSetup(tools=True, parser="hermes")) is None
