@@ -97,6 +97,8 @@ class InProcessTarget:
 
     def _warm(self) -> bool:
         doc = orjson.loads(urllib3.request("GET", self.base + "/healthz", timeout=5).data)
+        if doc.get("status") != "ok":  # local serving still starting
+            return False
         local = doc.get("local") or {}
         return not any(str(m.get("compiled", "")).startswith("compiling") for m in local.values())
 

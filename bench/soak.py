@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from proxy.http.app import build_full_app
     from proxy.settings import DEFAULT_MODEL_NAME, parse_settings
+    from proxy.turns.local_start import LOCAL_START
 
     from .support.redis_server import REDIS_SERVER, RedisServer
     from .support.threaded_server import AppServer
@@ -172,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         settings = parse_settings(orjson.dumps(raw), Path.cwd(), env={})
         app = build_full_app(settings)
-        rss_model = rss_bytes()
         server = AppServer(app, start_timeout_s=300).start()
+        server.call(app[LOCAL_START].wait(), timeout=300)  # the model loaded, the engine built
+        rss_model = rss_bytes()
         capacity = int((args.l0_mb + args.l1_mb) * MB)
 
         def faults(l2_root: Path) -> None:

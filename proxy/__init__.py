@@ -16,6 +16,6 @@ Its parts stand in layers, each importing only those below it (tests/test_proxy_
                              Prometheus metrics
 
 The app's only state is its typed keys, each defined beside what it holds (`settings.SETTINGS`,
-`metrics.METRICS`, `upstream.forward.HTTP_CLIENT`, `turns.backend.LOCAL_BACKEND`,
+`metrics.METRICS`, `upstream.forward.HTTP_CLIENT`, `turns.local_start.LOCAL_START`,
 `cluster.session_index.SESSION_INDEX`, `cluster.forwarding.FORWARDER`).
 """

@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import signal
 import sys
 
 from aiohttp import web
@@ -36,13 +37,12 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-async def freeze_startup_objects(app: web.Application) -> None:
+def freeze_startup_objects() -> None:
     """What start-up made (the models, tokenizers, kernels, the engine) lives as long as the process: it
     leaves the cyclic collector's view (gc.freeze), so a full collection walks only what serving made
     since. A full collection holds the GIL from start to end, and over start-up's objects it stopped the
     step's Python and the event loop, every stream at once, for the better part of a second
-    (docs/benchmarks.md, "Streams soak"). Runs last of the app's start-up, after the local engine is
-    built."""
+    (docs/benchmarks.md, "Streams soak"). Runs once local serving has started (the engine built)."""
     gc.collect()
     gc.freeze()
 
@@ -64,23 +64,17 @@ def wait_briefly_in_openmp() -> None:
         os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
 
 
-def serving_app(settings: Settings) -> web.Application | None:
-    """The app `serve` runs, or None (logged in one line) when a local model cannot load. torch loads only
-    when the local runner is enabled: an upstream-only proxy (or a bad settings file) starts in a blink."""
+def serving_app(settings: Settings) -> web.Application:
+    """The app `serve` runs. torch loads only when the local runner is enabled, and then only once the
+    server listens (`LocalStart`): an upstream-only proxy (or a bad settings file) starts in a blink."""
     from .http.app import build_full_app
 
-    if not settings.local_runner.enabled:
-        return build_full_app(settings)
-    from engine_api.model_source import ModelLoadError
-
-    try:
-        return build_full_app(settings)
-    except ModelLoadError as exc:  # a model that cannot load: one clear line, not a traceback
-        logging.getLogger("attnstore").error("cannot start: %s", exc)
-        return None
+    return build_full_app(settings)
 
 
 def serve(args: argparse.Namespace) -> int:
+    """0 once stopped by a signal; 1 when local serving could not start (the log's `cannot start` line
+    says why); 2 for bad settings or a refused bind."""
     try:
         settings, _ = load_settings(args.settings)
     except SettingsError as exc:
@@ -99,22 +93,35 @@ def serve(args: argparse.Namespace) -> int:
     except SettingsError as exc:  # found at start: the L2 folder cannot be made
         print(f"attnstore: {exc}", file=sys.stderr)
         return 2
-    if app is None:
-        return 1
-    app.on_startup.append(freeze_startup_objects)
-    logging.getLogger("attnstore").info("serving on http://%s:%d", host, port)
+    from .turns.local_start import LOCAL_START
+
+    start = app[LOCAL_START]
+    start.on_ready = freeze_startup_objects
+    # A start that failed stops the server as a signal would (run_app's handler), then exits 1.
+    start.on_failure = lambda: signal.raise_signal(signal.SIGTERM)
+    starting = " (local serving starts now: /healthz says starting until it is ready)"
+
+    def listening(_: str) -> None:  # run_app's announcement, once the socket is bound
+        logging.getLogger("attnstore").info(
+            "serving on http://%s:%d%s", host, port, starting if settings.local_runner.enabled else ""
+        )
+
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream call.
-    web.run_app(
-        app,
-        host=host,
-        port=port,
-        loop=new_event_loop(),
-        handler_cancellation=True,
-        access_log=None,
-        print=None,
-        shutdown_timeout=10,
-    )
-    return 0
+    try:
+        web.run_app(
+            app,
+            host=host,
+            port=port,
+            loop=new_event_loop(),
+            handler_cancellation=True,
+            access_log=None,
+            print=listening,
+            shutdown_timeout=10,
+        )
+    except OSError as exc:  # the bind: the port is taken, or the address is not this host's
+        print(f"attnstore: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    return 1 if start.failure is not None else 0
 
 
 # The benchmark is an optional extra: its code and the third-party packages only it uses.

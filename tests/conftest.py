@@ -34,6 +34,7 @@ import pytest  # noqa: E402
 
 from proxy.http.app import build_app, build_full_app  # noqa: E402
 from proxy.settings import Settings, parse_settings  # noqa: E402
+from proxy.turns.local_start import LOCAL_START  # noqa: E402
 from tests.model_fixture import MODEL, load_smollm, smollm  # noqa: F401, E402 - the real model, once per session
 from tests.servers import AppServer  # noqa: E402
 from tests.support.fake_upstream import FakeUpstream  # noqa: E402
@@ -71,8 +72,11 @@ def start_app() -> Iterator[Callable[..., AppServer]]:
     started: list[AppServer] = []
 
     def start(app: Any, **kwargs: Any) -> AppServer:
+        """Started, and (an attnstore app) its local serving too: a test may ask the engine at once."""
         server = AppServer(app, **kwargs).start()
         started.append(server)
+        if server.app is not None and LOCAL_START in server.app:
+            server.call(server.app[LOCAL_START].wait(), timeout=300)
         return server
 
     yield start

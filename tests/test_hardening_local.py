@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from proxy.serving import prompts
-from proxy.turns.backend import LOCAL_BACKEND
+from proxy.turns.local_start import local_engine
 from tests.model_fixture import MODEL
 from tests.servers import http_request
 
@@ -41,7 +41,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(local_proxy, fake
 
 def test_without_an_upstream_an_oversized_body_is_refused_before_it_is_read(local_proxy):
     server = local_proxy()
-    engine = server.app[LOCAL_BACKEND].engine
+    engine = local_engine(server.app)
     limit = engine.context_limit(MODEL) * 64 + 64 * 1024
     huge = {"model": MODEL, "messages": [{"role": "user", "content": "a" * (limit + 1)}], "max_tokens": 2}
     r = http_request("POST", server.url + URL, huge, timeout=60)
@@ -125,7 +125,7 @@ async def test_a_client_past_its_share_gets_429_with_retry_after_while_another_w
     async with aiohttp.ClientSession() as s:
         running = await s.post(server.url + URL, json={**counting(0), "stream": True}, headers=a)
         assert running.status == 200  # A's first runs; A's next two fill the queue
-        engine = server.app[LOCAL_BACKEND].engine
+        engine = local_engine(server.app)
         queued = []
         for i in (1, 2):  # one after the other, so which is A's newest is not left to the network
             queued.append(

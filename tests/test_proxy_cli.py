@@ -183,7 +183,7 @@ def test_the_served_process_spins_briefly(tmp_path):
     code = (
         "import os, sys\n"
         "from proxy import cli\n"
-        "cli.serving_app = lambda settings: print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules) or None\n"
+        "cli.serving_app = lambda settings: print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules) or sys.exit(1)\n"
         "sys.argv = ['attnstore', 'serve', '--settings', sys.argv[1]]\n"
         "sys.exit(cli.main())\n"
     )
@@ -202,14 +202,13 @@ def test_the_served_process_spins_briefly(tmp_path):
 
 
 def test_startup_objects_leave_the_collectors_view():
-    import asyncio
     import gc
 
     from proxy.cli import freeze_startup_objects
 
     gc.unfreeze()
     try:
-        asyncio.run(freeze_startup_objects(None))  # type: ignore[arg-type]
+        freeze_startup_objects()
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()

@@ -35,8 +35,8 @@ from kvtier.tier_names import MEMORY_TIERS  # torch-free: the tier names only
 from ..metrics import METRICS
 from ..openai.requests import ApiRequest
 from ..settings import Settings, replica_id
-from ..turns.backend import local_engine
 from ..turns.headers import FORWARDED_BY
+from ..turns.local_start import local_engine
 from ..turns.turn import Turn
 from ..upstream.forward import HTTP_CLIENT
 from ..upstream.header_filter import inbound_headers, outbound_headers

@@ -3,8 +3,7 @@ cleanup_ctx), the middleware and the routes."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,7 +14,8 @@ from ..cluster.forwarding import install_forwarding
 from ..cluster.session_index import SESSION_INDEX, MemorySessionIndex, SessionIndex, open_session_index
 from ..metrics import METRICS, EngineCollector, Metrics
 from ..settings import SETTINGS, Settings, make_l2_folder
-from ..turns.backend import LOCAL_BACKEND, LocalBackend, local_engine
+from ..turns.backend import LocalBackend
+from ..turns.local_start import LOCAL_START, LocalBuilder, LocalStart, local_engine
 from ..upstream.forward import HTTP_CLIENT, upstream_fallback
 from .middleware import error_middleware, name_anthropic_answers
 from .routes_misc import healthz, list_models
@@ -36,9 +36,6 @@ from .server_log import install_bad_request_log
 
 if TYPE_CHECKING:  # torch and transformers load only when the local runner is enabled
     from local_runner.loader import LoadedModel
-
-# Builds the local backend when the app starts (its worker and save threads start then, on the app's loop).
-LocalBuilder = Callable[[], LocalBackend]
 
 
 async def _http_client(app: web.Application) -> AsyncIterator[None]:
@@ -63,21 +60,16 @@ async def _session_index(app: web.Application) -> AsyncIterator[None]:
         await app[SESSION_INDEX].close()
 
 
-def _local_serving(build: LocalBuilder | None) -> Callable[[web.Application], AsyncIterator[None]]:
-    async def local_serving(app: web.Application) -> AsyncIterator[None]:
-        """The one seam into local serving, built as the app starts; when it stops, closed off the loop:
-        the runner's worker, the stores' pending L2 writes (finished, so a restart finds every chunk),
-        the tokenize pool."""
-        backend = build() if build is not None else None
-        app[LOCAL_BACKEND] = backend
-        try:
-            yield
-        finally:
-            if backend is not None:
-                await backend.aclose()
-                await asyncio.to_thread(backend.close)
-
-    return local_serving
+async def _local_serving(app: web.Application) -> AsyncIterator[None]:
+    """The one seam into local serving: its start begins as the app starts and ends after it listens
+    (`LocalStart`); when the app stops, closed off the loop: the runner's worker, the stores' pending L2
+    writes (finished, so a restart finds every chunk), the tokenize pool."""
+    start = app[LOCAL_START]
+    start.begin()
+    try:
+        yield
+    finally:
+        await start.close()
 
 
 def build_app(
@@ -85,8 +77,10 @@ def build_app(
     *,
     local: LocalBuilder | None = None,
     index: SessionIndex | None = None,
+    local_models: Collection[str] | None = None,
 ) -> web.Application:
-    """The proxy with `local` (called once the app starts) as its local backend, or none: all upstream."""
+    """The proxy with `local` (called off the loop once the app starts) as its local backend, or none:
+    all upstream. A turn for one of `local_models` (None: any turn) waits for it to start."""
     install_bad_request_log()
     app = web.Application(
         client_max_size=int(settings.proxy.max_body_mb * 1024 * 1024),
@@ -97,14 +91,14 @@ def build_app(
     )
     app.on_response_prepare.append(name_anthropic_answers)
     app[SETTINGS] = settings
-    app[LOCAL_BACKEND] = None  # until the app starts
+    app[LOCAL_START] = LocalStart(local, local_models)
     app[SESSION_INDEX] = index or MemorySessionIndex()
     # Read at scrape time, on the thread that renders the metrics (never on the event loop).
     app[METRICS] = Metrics(lambda: stats_by_model(local_engine(app)))
     app[METRICS].registry.register(EngineCollector(lambda: e.stats() if (e := local_engine(app)) else None))
     app.cleanup_ctx.append(_http_client)
     app.cleanup_ctx.append(_session_index)
-    app.cleanup_ctx.append(_local_serving(local))
+    app.cleanup_ctx.append(_local_serving)
     # With an advertise_url and a Redis index: the heartbeat, and turns forwarded to the replica holding
     # their KV. Otherwise nothing.
     install_forwarding(app, settings, app[SESSION_INDEX])
@@ -134,22 +128,27 @@ def build_full_app(
     base_dir: Path | None = None,
 ) -> web.Application:
     """The proxy as `attnstore serve` runs it: the session index from settings and, when the local
-    runner is enabled, its models (loaded here, before the server listens, unless given) served by a
-    backend built when the app starts. The L2 folder is made first (SettingsError when it cannot be)."""
+    runner is enabled, its models served by a backend built once the app listens (`LocalStart`: the
+    models loaded then, unless given; every vLLM server started then). The L2 folder is made first
+    (SettingsError when it cannot be)."""
     make_l2_folder(settings, base_dir or Path.cwd())
     index = open_session_index(settings.proxy.session_index)
     if not settings.local_runner.enabled:
         return build_app(settings, index=index)
-    if settings.local_runner.engine == "vllm":  # a vLLM server per model, started (and waited for) now
-        from ..local_vllm.build import start_vllm_backend
+    if settings.local_runner.engine == "vllm":  # a vLLM server per model, started (and waited for) then
 
-        vllm = start_vllm_backend(settings, index, overflow=upstream_fallback, base_dir=base_dir)
-        return build_app(settings, local=vllm, index=index)
-    from ..local.build import build_local_backend, load_models
+        def vllm() -> LocalBackend:
+            from ..local_vllm.build import start_vllm_backend
 
-    loaded = models if models is not None else load_models(settings, base_dir)
+            return start_vllm_backend(settings, index, overflow=upstream_fallback, base_dir=base_dir)()
+
+        return build_app(settings, local=vllm, index=index, local_models=settings.local_runner.models)
 
     def local() -> LocalBackend:
+        from ..local.build import build_local_backend, load_models
+
+        loaded = models if models is not None else load_models(settings, base_dir)
         return build_local_backend(settings, index, loaded, overflow=upstream_fallback, base_dir=base_dir)
 
-    return build_app(settings, local=local, index=index)
+    served = models.keys() if models is not None else settings.local_runner.models
+    return build_app(settings, local=local, index=index, local_models=served)

@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 
 from ..settings import SETTINGS, replica_id
-from ..turns.backend import LOCAL_BACKEND
+from ..turns.local_start import LOCAL_START
 from ..upstream.forward import HTTP_CLIENT, upstream_url
 from ..upstream.header_filter import outbound_headers
 
@@ -58,15 +58,23 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
+    """200 `ok` once local serving has started; 503 `starting` while it starts (the server listens from
+    the first second: a balancer's check keeps turns away meanwhile) and `failed` when it could not."""
     settings = request.app[SETTINGS]
-    backend = request.app[LOCAL_BACKEND]
+    start = request.app[LOCAL_START]
+    backend = start.backend
+    state = start.state
     status: dict[str, object] = {
-        "status": "ok",
+        "status": "ok" if state == "ready" else state,
         "replica": replica_id(settings),
         "upstream": settings.llm_endpoint.base_url or None,
         "local_models": list(settings.local_runner.models) if settings.local_runner.enabled else [],
         "local_backend": backend is not None,
     }
+    if start.failure is not None:
+        status["error"] = start.failure
     if backend is not None:
         status["local"] = backend.engine.describe() if backend.engine is not None else {}
-    return web.Response(body=orjson.dumps(status), content_type="application/json")
+    return web.Response(
+        status=200 if state == "ready" else 503, body=orjson.dumps(status), content_type="application/json"
+    )

@@ -16,7 +16,7 @@ from ..cluster.session_index import SESSION_INDEX
 from ..errors import APIError
 from ..metrics import METRICS
 from ..settings import SETTINGS
-from ..turns.backend import local_engine
+from ..turns.local_start import LOCAL_START, local_engine
 from ..turns.tenant import is_admin, tenant_of
 
 
@@ -91,6 +91,7 @@ async def delete_session(request: web.Request) -> web.Response:
     every replica: the others hold their own memory tiers (forwarding's `forget_elsewhere`)."""
     session = request.match_info["session_id"]
     tenant = tenant_of(request.headers)
+    await request.app[LOCAL_START].wait()  # the session is forgotten in the tiers, L2 included
     engine = local_engine(request.app)
     index = request.app[SESSION_INDEX]
     known = await index.get(tenant, session) is not None

@@ -34,7 +34,8 @@ from ..openai.required import invalid_value
 from ..openai.responses import input_items, item_page, new_response_id
 from ..serving.response_store import ResponseStore
 from ..settings import SETTINGS
-from ..turns.backend import LOCAL_BACKEND, local_engine
+from ..turns.backend import LocalBackend
+from ..turns.local_start import LOCAL_START, local_engine
 from ..turns.routing import Route, choose_route
 from ..turns.session import resolve_session
 from ..turns.tenant import tenant_of
@@ -56,7 +57,7 @@ async def _route(request: web.Request, req: ApiRequest, *, forwardable: bool = T
     """Serve the identified turn locally (on the replica holding its KV, when that is another one) or
     upstream, or refuse it with the reason."""
     turn = request[TURN]
-    backend = request.app[LOCAL_BACKEND]
+    backend = await _backend(request, req)
     route = choose_route(request.app[SETTINGS], req, backend)
     if route.kind == "local" and backend is not None:
         turn.serve_locally()
@@ -69,6 +70,12 @@ async def _route(request: web.Request, req: ApiRequest, *, forwardable: bool = T
     if route.kind == "upstream":
         return await forward_chat(request, req, turn)
     raise _unservable(route)
+
+
+async def _backend(request: web.Request, req: ApiRequest) -> LocalBackend | None:
+    """The local backend to route `req` with: a turn for a local model that arrives while local serving
+    starts waits for it (`LocalStart`)."""
+    return await request.app[LOCAL_START].backend_for(req.model)
 
 
 def _unservable(route: Route) -> APIError:
@@ -139,7 +146,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     req = parse_messages(await _read(request), count_only=True)
     _known_model(request, req.model)
     _session(request, req, lambda: "")  # the session field never goes upstream; counting needs none
-    backend = request.app[LOCAL_BACKEND]
+    backend = await _backend(request, req)
     route = choose_route(request.app[SETTINGS], req, backend)
     if route.kind == "local" and backend is not None:
         body = {"input_tokens": await backend.count_prompt_tokens(req)}
@@ -165,7 +172,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     req = parse_responses(await _read(request))
     tenant = tenant_of(request.headers)
     _session(request, req)  # the session field never goes upstream; the response's id is the session
-    if choose_route(request.app[SETTINGS], req, request.app[LOCAL_BACKEND]).kind == "local":
+    if choose_route(request.app[SETTINGS], req, await _backend(request, req)).kind == "local":
         await _continue(request, req, tenant)
     request[TURN].identify(session=new_response_id(), tenant=tenant, turn=req.turn)
     return await _route(request, req, forwardable=False)
@@ -195,7 +202,7 @@ async def count_input_tokens(request: web.Request) -> web.StreamResponse:
     req = parse_responses(await _read(request))
     tenant = tenant_of(request.headers)
     _session(request, req, lambda: "")  # the session field never goes upstream; counting needs none
-    backend = request.app[LOCAL_BACKEND]
+    backend = await _backend(request, req)
     route = choose_route(request.app[SETTINGS], req, backend)
     if route.kind == "local" and backend is not None:
         await _continue(request, req, tenant)
@@ -261,6 +268,7 @@ async def delete_response(request: web.Request) -> web.StreamResponse:
         if request.app[SETTINGS].llm_endpoint.base_url:
             return await forward_upstream(request, body=None, turn=None)
         raise _not_found(response_id)
+    await request.app[LOCAL_START].wait()  # its KV is forgotten in the tiers, L2 included
     engine = local_engine(request.app)
     if engine is not None:
         await asyncio.to_thread(engine.forget_session, tenant, response_id)

@@ -1,8 +1,8 @@
 """Build the local serving stack from settings: models, one KV store per model, the embedded engine, and
 the serving layer above it.
 
-Model loading is slow the first time (GGUF de-quantization), so it happens before the server listens;
-tests load the model once and pass it in through `models`.
+Model loading is slow the first time (GGUF de-quantization), so it runs once the server listens, off the
+event loop (`turns.local_start`); tests load the model once and pass it in through `models`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Local serving on the vLLM engine from settings: the engine's config (config.py), its servers started
-(`vllm_engine.start`: one vLLM per local model, waited for before the proxy listens), then the serving
+(`vllm_engine.start`: one vLLM per local model, started and waited for once the proxy listens, off its loop), then the serving
 layer over a `VllmEngine` when the app starts."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The one seam between the proxy and local serving: `LocalBackend`, held under the app key `LOCAL_BACKEND`.
+"""The one seam between the proxy and local serving: `LocalBackend`, held by the app's `LocalStart`
+(`turns.local_start`: `local_backend(app)`).
 
-The app holds one (None: everything goes upstream), built when the app starts and closed when it stops
-(`http.app`, a cleanup_ctx). The turn handlers (chat, completions, responses) ask it whether it
+The app holds one (None: everything goes upstream), built once the app listens and closed when it stops. The turn handlers (chat, completions, responses) ask it whether it
 `supports` a request, then let it `handle` a local turn, reporting its outcome through the `Turn`. What
 the other endpoints ask (load, stats, description, forgetting a session) is the engine's: they ask its
 `engine` directly (`local_engine`).
@@ -51,13 +51,3 @@ class LocalBackend(Protocol):
         """Stop serving: the engine (its work, the stores' pending L2 writes, finished so a restart finds
         every chunk), any thread pools. Blocking; called once, off the event loop, when the app stops."""
         return None
-
-
-# The one seam into local serving (built when the app starts, closed when it stops); None: all upstream.
-LOCAL_BACKEND: web.AppKey[LocalBackend | None] = web.AppKey("local_backend")
-
-
-def local_engine(app: web.Application) -> Engine | None:
-    """The engine local turns run on, or None (no local serving, or a stand-in without one)."""
-    backend = app[LOCAL_BACKEND]
-    return backend.engine if backend is not None else None
