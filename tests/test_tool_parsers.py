@@ -378,3 +378,44 @@ def test_allowed_tools_under_auto_for_llama3_json_is_not_served_locally():
         req = parse_chat(orjson.dumps(body))
         assert unsupported_reason(req, ChatSetup(tools=True, parser="llama3_json")) == reason
         assert unsupported_reason(req, ChatSetup(tools=True, parser="hermes")) is None
+
+
+def test_the_serving_layer_remembers_a_grammar_for_the_same_tools_and_format_only():
+    """An agent sends the same tools every turn: their grammar is built once (building takes
+    milliseconds on the event loop). A change of any input builds another; a refusal stays a refusal."""
+    from proxy.cluster.session_index import MemorySessionIndex
+    from proxy.openai.requests import parse_chat
+    from proxy.serving.options import ChatSetup
+    from proxy.serving.service import LocalServing, _tools
+
+    serving = LocalServing(
+        None,  # type: ignore[arg-type] - grammars ask the engine nothing once the setup is known
+        MemorySessionIndex(),
+        replica="r",
+        reuse=True,
+        default_max_tokens=16,
+        truncate_on_overflow=True,
+    )
+    serving._setups["m"] = ChatSetup(None, True, "hermes")
+
+    def grammar(**body):
+        chat = parse_chat(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}))
+        return serving._grammar(chat, _tools(chat))
+
+    weather = strict_request().tools
+    strict = grammar(tools=list(weather))
+    assert strict is not None and grammar(tools=list(weather)) is strict  # remembered
+    loose = [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in weather]
+    assert grammar(tools=loose) is None  # nothing to constrain without strict tools
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [weather[0]]}}
+    narrowed = grammar(tools=list(weather), tool_choice=allowed)
+    assert narrowed not in (None, strict)
+    assert grammar(tools=list(weather), parallel_tool_calls=False) not in (None, strict, narrowed)
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    assert grammar(response_format=fmt) is grammar(response_format=fmt)
+    assert grammar(response_format=fmt) != grammar(tools=list(weather), response_format=fmt)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}
+    for _ in range(2):
+        with pytest.raises(APIError):
+            grammar(response_format=bad)
+    serving.prompts.pool.shutdown()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -90,6 +89,12 @@ class ToolRequest:
             for t in self.tools
             if self.allowed is None or t["function"]["name"] in self.allowed
         }
+
+    def grammar_inputs(self) -> list[Any]:
+        """Every field (what a grammar built from this request may depend on) as JSON-able values: a
+        memo's key, which a field added later cannot be left out of."""
+        values = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return [sorted(v) if isinstance(v, frozenset) else v for v in values]
 
     @property
     def constrained(self) -> bool:
@@ -228,15 +233,17 @@ def _call_schema(name: str, parameters: dict[str, Any], arguments_key: str) -> d
     }
 
 
-def _call_json(parser: str, schemas: dict[str, dict[str, Any]]) -> Any:
+def _call_json(parser: str, schemas: dict[str, dict[str, Any]], *, array: bool = False) -> Any:
     """The grammar of one call's JSON object (`{"name": ..., "arguments": ...}`) of any function in
-    `schemas` (name -> its arguments' schema), written with `tojson`'s separators. A schema xgrammar
-    cannot compile is the client's 400."""
+    `schemas` (name -> its arguments' schema), or with `array` of a JSON array of one call or more,
+    written with `tojson`'s separators. A schema xgrammar cannot compile is the client's 400."""
     import xgrammar as xgr
 
     key = "parameters" if parser == "llama3_json" else "arguments"
     variants = [_call_schema(name, schema, key) for name, schema in schemas.items()]
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    if array:
+        schema = {"type": "array", "items": schema, "minItems": 1}
     try:
         return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS)
     except (RuntimeError, ValueError) as exc:
@@ -282,25 +289,20 @@ def constrained_calls_grammar(req: ToolRequest, parser: str) -> str | None:
     schemas = {
         name: schema if name in req.strict else {"type": "object"} for name, schema in req.schemas().items()
     }
-    call = _call_json(parser, schemas)
     if parser == "hermes":  # the trigger is the start tag; the call's JSON follows its newline
-        trigger, begin, content, end = "<tool_call>", "<tool_call>\n", call, "\n</tool_call>"
-    else:  # mistral: [TOOL_CALLS] and the calls' JSON array, which runs to the end of the answer
+        trigger, begin, end = "<tool_call>", "<tool_call>\n", "\n</tool_call>"
+        content = _call_json(parser, schemas)
+    elif req.parallel:  # mistral: [TOOL_CALLS] and the calls' JSON array, to the end of the answer
+        trigger, begin, end = "[TOOL_CALLS]", "[TOOL_CALLS]", ""
+        content = _call_json(parser, schemas, array=True)
+    else:
         trigger, begin, end = "[TOOL_CALLS]", "[TOOL_CALLS][", "]"
-        content = _repeated(call) if req.parallel else call
+        content = _call_json(parser, schemas)
     tag = tags.TagFormat(begin=begin, content=tags.GrammarFormat(grammar=str(content)), end=end)
     triggered = tags.TriggeredTagsFormat(
         triggers=[trigger], tags=[tag], stop_after_first=not req.parallel or parser == "mistral"
     )
     return str(xgr.Grammar.from_structural_tag(tags.StructuralTag(format=triggered)))
-
-
-def _repeated(call: Any) -> Any:
-    """One call or more, separated as `tojson` separates a list's items."""
-    import xgrammar as xgr
-
-    ebnf = re.sub(r"^root ::=", "call ::=", str(call), count=1, flags=re.MULTILINE)
-    return xgr.Grammar.from_ebnf(f'root ::= call (", " call)*\n{ebnf}')
 
 
 def _literal(text: str) -> Any:
