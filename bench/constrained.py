@@ -34,6 +34,7 @@ from local_runner.grammars import Grammars
 from local_runner.loader import load_model
 from local_runner.sampling import Sampler
 from proxy.local.config import engine_config
+from proxy.serving.service import LocalServing
 from proxy.serving.structured import response_format_grammar
 from proxy.serving.tools import ToolCallParser, constrained_calls_grammar, forced_call_grammar, tool_request
 from proxy.settings import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
@@ -190,15 +191,11 @@ def strict_tool(name: str) -> dict:
     return {"type": "function", "function": {"name": name, "strict": True, "parameters": params}}
 
 
-def grammar_building(reps: int = 200) -> None:
-    """A turn's grammar on the event loop: built (xgrammar, `LocalServing._build_grammar`) against
-    remembered (`LocalServing._grammar`'s memo), for the same request."""
-    import orjson
-
+def serving_for_grammars(model: str = "m", parser: str = "hermes") -> LocalServing:
+    """A serving layer without an engine whose `model` renders tools and writes `parser`'s calls: all
+    that building a turn's grammar asks of it. Shut its `prompts.pool` down after."""
     from proxy.cluster.session_index import MemorySessionIndex
-    from proxy.openai.requests import parse_chat
     from proxy.serving.options import ChatSetup
-    from proxy.serving.service import LocalServing, _tools
 
     serving = LocalServing(
         None,  # type: ignore[arg-type] - grammars ask the engine nothing once the setup is known
@@ -208,7 +205,19 @@ def grammar_building(reps: int = 200) -> None:
         default_max_tokens=16,
         truncate_on_overflow=True,
     )
-    serving._setups["m"] = ChatSetup(None, True, "hermes")
+    serving._setups[model] = ChatSetup(None, True, parser)
+    return serving
+
+
+def grammar_building(reps: int = 200) -> None:
+    """A turn's grammar on the event loop: built (xgrammar, `LocalServing._build_grammar`) against
+    remembered (`LocalServing._grammar`'s memo), for the same request."""
+    import orjson
+
+    from proxy.openai.requests import parse_chat
+    from proxy.serving.service import _tools
+
+    serving = serving_for_grammars()
     print("\n| strict tools | built, ms | remembered, us | ratio |\n|---|---|---|---|")
     for count in (1, 10, 30):
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

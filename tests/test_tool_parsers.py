@@ -383,20 +383,11 @@ def test_allowed_tools_under_auto_for_llama3_json_is_not_served_locally():
 def test_the_serving_layer_remembers_a_grammar_for_the_same_tools_and_format_only():
     """An agent sends the same tools every turn: their grammar is built once (building takes
     milliseconds on the event loop). A change of any input builds another; a refusal stays a refusal."""
-    from proxy.cluster.session_index import MemorySessionIndex
+    from bench.constrained import serving_for_grammars
     from proxy.openai.requests import parse_chat
-    from proxy.serving.options import ChatSetup
-    from proxy.serving.service import LocalServing, _tools
+    from proxy.serving.service import _tools
 
-    serving = LocalServing(
-        None,  # type: ignore[arg-type] - grammars ask the engine nothing once the setup is known
-        MemorySessionIndex(),
-        replica="r",
-        reuse=True,
-        default_max_tokens=16,
-        truncate_on_overflow=True,
-    )
-    serving._setups["m"] = ChatSetup(None, True, "hermes")
+    serving = serving_for_grammars("m", "hermes")
 
     def grammar(**body):
         chat = parse_chat(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}))

@@ -28,8 +28,8 @@ import traceback
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import anthropic
 import jsonschema
@@ -39,6 +39,7 @@ from tests.support.tools import PERSON, RESPONSES_TOOLS, SEARCH, TOOLS, WEATHER
 
 LOCAL = "smollm2-135m-instruct"
 TOOLS_MODEL = "smollm2-tools"
+T = TypeVar("T")
 UPSTREAM_MODEL = "gpt-fake"
 FAKE_TEXT = "Hello from the fake upstream."  # what the fake upstream answers every chat
 HITS = ("l0_hit", "l1_hit", "l2_hit")
@@ -117,6 +118,20 @@ class Trial:
         return openai.OpenAI(
             base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=self.args.timeout
         )
+
+    def at_once(self, conversation: Callable[[openai.AsyncOpenAI, int], Awaitable[T]], n: int) -> list[T]:
+        """`n` conversations at once through one async client (no retries): their results, in order."""
+
+        async def main() -> list[T]:
+            c = openai.AsyncOpenAI(
+                base_url=self.base + "/v1", api_key=self.key, max_retries=0, timeout=self.args.timeout
+            )
+            try:
+                return await asyncio.gather(*(conversation(c, i) for i in range(n)))
+            finally:
+                await c.close()
+
+        return asyncio.run(main())
 
     def sid(self, name: str) -> str:
         return f"trial-{self.run}-{name}"
@@ -271,6 +286,32 @@ class Trial:
     # -- 1. readiness ----------------------------------------------------------------------------------
 
     def s1(self) -> None:
+        def while_starting() -> str:
+            """A user's first try: one client, 8 conversations at once, sent as soon as the server
+            answers (run.sh waits for an HTTP answer, not for 200), no retries."""
+            status, _, body = self.http("GET", self.base + "/healthz", timeout=5)
+            state = json.loads(body).get("status") if body else None
+
+            async def conversation(c: openai.AsyncOpenAI, i: int) -> list[int]:
+                msgs = [{"role": "user", "content": f"Name one fact about {TOPICS[i % len(TOPICS)]}."}]
+                cached = []
+                for _ in range(2):
+                    done = await c.chat.completions.create(
+                        model=LOCAL,
+                        messages=msgs,
+                        max_tokens=8,
+                        extra_body={"session_id": self.sid(f"start-{i}")},
+                    )
+                    cached.append(done.usage.prompt_tokens_details.cached_tokens)
+                    msgs += [{"role": "assistant", "content": done.choices[0].message.content or ""},
+                             {"role": "user", "content": "One more?"}]  # fmt: skip
+                return cached
+
+            t0 = time.perf_counter()
+            cached = self.at_once(conversation, 8)
+            ok(all(second > 0 for _, second in cached), f"second turns not reused: {cached}")
+            return f"/healthz said {status} {state!r} when sent; 16 turns answered in {time.perf_counter() - t0:.1f}s"
+
         def ready() -> str:
             deadline = time.monotonic() + self.args.ready_timeout
             last = None
@@ -308,6 +349,7 @@ class Trial:
         self.checks(
             1,
             [
+                ("8 conversations sent as soon as the server answers are all served", while_starting),
                 ("GET /healthz answers 200 with status ok", ready),
                 ("first chat request right after start succeeds (local)", first_request),
             ],
@@ -1006,17 +1048,8 @@ class Trial:
                         ]
                 return out
 
-            async def main() -> list[list[dict]]:
-                c = openai.AsyncOpenAI(
-                    base_url=self.base + "/v1", api_key=self.key, max_retries=0, timeout=self.args.timeout
-                )
-                try:
-                    return await asyncio.gather(*(conversation(c, i) for i in range(12)))
-                finally:
-                    await c.close()
-
             t0 = time.perf_counter()
-            convs = asyncio.run(main())
+            convs = self.at_once(conversation, 12)
             wall = time.perf_counter() - t0
             self.data["conc"] = convs
             errors = [(i, r["turn"], r["error"]) for i, conv in enumerate(convs) for r in conv if r["error"]]
