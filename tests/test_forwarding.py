@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,7 +25,7 @@ from proxy.metrics import METRICS
 from proxy.serving.response_store import ResponseStore, StoredResponse
 from proxy.turns.backend import LocalBackend
 from proxy.turns.tenant import tenant_of
-from tests.support.threaded_server import free_port
+from tests.support.threaded_server import AppServer, free_port
 from tests.support.waiting import wait_until
 
 KEY = "client-key"
@@ -162,6 +163,35 @@ def chat(
         retries=False,
         **kw,
     )
+
+
+def test_a_replica_is_announced_only_once_its_local_serving_has_started(redis_server, make_settings):
+    """A replica still starting would be sent the turns of the sessions its records name it for, and
+    hold them for its whole start: its heartbeat waits for the start."""
+    started = threading.Event()
+
+    def build() -> LocalBackend:
+        assert started.wait(30)
+        return StandIn("replica-s")
+
+    port = free_port()
+    settings = make_settings(
+        local_runner={"enabled": True, "models": {MODEL: "/nowhere.gguf"}},
+        proxy={
+            "session_index": redis_server.url,
+            "replica_id": "replica-s",
+            "api_keys": [KEY],
+            "advertise_url": f"http://127.0.0.1:{port}",
+            "heartbeat_s": 0.2,
+        },
+    )
+    app = build_app(settings, local=build, index=RedisSessionIndex(redis_server.url))
+    with AppServer(app, port=port) as server:
+        assert urllib3.request("GET", server.url + "/healthz", retries=False).status == 503
+        time.sleep(1.0)  # five beats' time
+        assert heartbeat_of(redis_server.url, "replica-s") is None
+        started.set()
+        wait_until(lambda: heartbeat_of(redis_server.url, "replica-s"), "replica-s's heartbeat", 10)
 
 
 def test_a_turn_goes_to_the_live_owner_as_is_and_streams_back_chunk_by_chunk(replica, redis_server):

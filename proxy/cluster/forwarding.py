@@ -36,7 +36,7 @@ from ..metrics import METRICS
 from ..openai.requests import ApiRequest
 from ..settings import Settings, replica_id
 from ..turns.headers import FORWARDED_BY
-from ..turns.local_start import local_engine
+from ..turns.local_start import LOCAL_START, local_engine
 from ..turns.turn import Turn
 from ..upstream.forward import HTTP_CLIENT
 from ..upstream.header_filter import inbound_headers, outbound_headers
@@ -94,9 +94,12 @@ class Forwarder:
         )
 
     async def heartbeat(self, app: web.Application) -> AsyncIterator[None]:
-        """cleanup_ctx: announce this replica while the app runs; withdraw it when the app stops."""
+        """cleanup_ctx: announce this replica while the app runs, from the moment its local serving has
+        started (a replica still starting would be sent the turns of sessions its index records name
+        it for, and hold them for the whole start); withdraw it when the app stops."""
 
         async def loop() -> None:
+            await app[LOCAL_START].wait()
             while True:
                 try:
                     await self.beat()
