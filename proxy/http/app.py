@@ -145,8 +145,10 @@ def build_full_app(
         return build_app(settings, local=vllm, index=index, local_models=settings.local_runner.models)
 
     def local() -> LocalBackend:
-        from ..local.build import build_local_backend, load_models
+        from ..local.build import build_cpu_kernels_meanwhile, build_local_backend, load_models
 
+        if models is None:
+            build_cpu_kernels_meanwhile(settings, base_dir)
         loaded = models if models is not None else load_models(settings, base_dir)
         return build_local_backend(settings, index, loaded, overflow=upstream_fallback, base_dir=base_dir)
 

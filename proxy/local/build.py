@@ -7,6 +7,7 @@ event loop (`turns.local_start`); tests load the model once and pass it in throu
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -14,12 +15,26 @@ from kvtier import KVStore, StoreConfig
 from local_runner import exact_kernel
 from local_runner.compiled import use_cache_dir
 from local_runner.engine import EmbeddedEngine
-from local_runner.loader import LoadedModel, load_model
+from local_runner.loader import LoadedModel, load_model, pick_device
 
 from ..cluster.session_index import SessionIndex
 from ..serving.service import LocalServing, UpstreamFallback
 from ..settings import EmbeddedRunnerSettings, Settings, resolve_path, runner_settings, tier_bytes_per_model
 from .config import engine_config
+
+
+def build_cpu_kernels_meanwhile(settings: Settings, base_dir: Path | None = None) -> None:
+    """On a CPU, start the exact kernels' build (once per machine, kept under the cache folder: ~27 s on
+    two cores) on a thread of its own, so that it runs while the models load (a GGUF's first conversion:
+    ~18 s) instead of after; the engine's own call waits for it (`exact_kernel.build` is idempotent
+    and thread-safe). On CUDA nothing: those kernels serve CPUs only."""
+    lr = runner_settings(settings, EmbeddedRunnerSettings)
+    if pick_device(lr.device).type != "cpu":
+        return
+    cache_dir = resolve_path(lr.cache_dir, base_dir or Path.cwd())
+    threading.Thread(
+        target=exact_kernel.build, args=(cache_dir,), name="attnstore-kernel-build", daemon=True
+    ).start()
 
 
 def load_models(settings: Settings, base_dir: Path | None = None) -> dict[str, LoadedModel]:
