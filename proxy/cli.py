@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import gc
 import importlib
 import importlib.util
@@ -121,7 +122,24 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:  # the bind: the port is taken, or the address is not this host's
         print(f"attnstore: cannot listen: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    if start.state == "starting":
+        exit_while_starting()
     return 1 if start.failure is not None else 0
+
+
+def exit_while_starting() -> None:
+    """Stopped before local serving was up: its build (a model converting in transformers, the kernels
+    compiling, vLLM starting) cannot be interrupted, and the interpreter's shutdown would wait for it,
+    then break it half-way (transformers' pool refuses new work once shutdown begins) and abort. Exit
+    now instead: what the build writes lands whole or not at all (a conversion renames its folder into
+    place; the kernels' build lock is released by the OS). The exit handlers run first: they stop any
+    vLLM server already started."""
+    logging.getLogger("attnstore").info("stopped while local serving was starting")
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # The benchmark is an optional extra: its code and the third-party packages only it uses.

