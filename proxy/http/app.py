@@ -138,9 +138,9 @@ def build_full_app(
     if settings.local_runner.engine == "vllm":  # a vLLM server per model, started (and waited for) then
 
         def vllm() -> LocalBackend:
-            from ..local_vllm.build import start_vllm_backend
+            from ..local_vllm.build import build_vllm_backend
 
-            return start_vllm_backend(settings, index, overflow=upstream_fallback, base_dir=base_dir)()
+            return build_vllm_backend(settings, index, overflow=upstream_fallback, base_dir=base_dir)
 
         return build_app(settings, local=vllm, index=index, local_models=settings.local_runner.models)
 

@@ -8,9 +8,9 @@ and a turn for a local model waits for the start to end (it takes its place then
 rules), counted in its TTFT. A start that fails answers the turns that waited with 503 and the reason,
 and calls `on_failure` (`attnstore serve` stops and exits 1 with the reason).
 
-The build runs on a thread of its own (a daemon: a server stopped while a model converts exits at once;
-conversion writes its folder whole, renamed into place, so nothing half-written is left to reuse).
-Nothing here imports torch.
+The build runs on a thread of its own, a daemon: nothing waits for it at exit (`attnstore serve` stopped
+during the start exits at once; a conversion writes its folder whole, renamed into place, so nothing
+half-written is left to reuse). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ LocalBuilder = Callable[[], LocalBackend]
 
 
 class LocalStart:
+    """Starts local serving off the loop once the app starts, holds the backend once built, and closes
+    it when the app stops; what the routes ask while it starts (`backend_for`, `wait`, `state`)."""
+
     def __init__(self, build: LocalBuilder | None, models: Collection[str] | None = None) -> None:
         self._build = build
         # The turns that wait for the start: those for the models it serves (None: every turn).
@@ -51,7 +54,6 @@ class LocalStart:
         self._built: LocalBackend | None = None
         self._stopped = False
         self._since = time.monotonic()
-        self.took_s: float | None = None
 
     @property
     def state(self) -> str:
@@ -100,10 +102,10 @@ class LocalStart:
     def _ready(self) -> None:
         with self._lock:
             self.backend = self._built
-        self.took_s = time.monotonic() - self._since
         self._done.set()
         if self.backend is not None:
-            log.info("local serving ready (%.1f s after the server started listening)", self.took_s)
+            took_s = time.monotonic() - self._since
+            log.info("local serving ready (%.1f s after the server started listening)", took_s)
             if self.on_ready is not None:
                 self.on_ready()
 
