@@ -11,6 +11,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from engine_api.model_source import resolve_source
 from kvtier import KVStore, StoreConfig
 from local_runner import exact_kernel
 from local_runner.compiled import use_cache_dir
@@ -27,14 +28,27 @@ def build_cpu_kernels_meanwhile(settings: Settings, base_dir: Path | None = None
     """On a CPU, start the exact kernels' build (once per machine, kept under the cache folder: ~27 s on
     two cores) on a thread of its own, so that it runs while the models load (a GGUF's first conversion:
     ~18 s) instead of after; the engine's own call waits for it (`exact_kernel.build` is idempotent
-    and thread-safe). On CUDA nothing: those kernels serve CPUs only."""
+    and thread-safe). On CUDA nothing: those kernels serve CPUs only. A model that cannot be found
+    stops the start first (ModelLoadError), before a build that would then run on for nothing."""
     lr = runner_settings(settings, EmbeddedRunnerSettings)
     if pick_device(lr.device).type != "cpu":
         return
-    cache_dir = resolve_path(lr.cache_dir, base_dir or Path.cwd())
+    base = base_dir or Path.cwd()
+    for source in _sources(settings, base).values():
+        resolve_source(source)
+    cache_dir = resolve_path(lr.cache_dir, base)
     threading.Thread(
         target=exact_kernel.build, args=(cache_dir,), name="attnstore-kernel-build", daemon=True
     ).start()
+
+
+def _sources(settings: Settings, base: Path) -> dict[str, str]:
+    """Each served model's source: `pkg:NAME`, or its path resolved against `base`."""
+    models = runner_settings(settings, EmbeddedRunnerSettings).models
+    return {
+        name: source if source.startswith("pkg:") else str(resolve_path(source, base))
+        for name, source in models.items()
+    }
 
 
 def load_models(settings: Settings, base_dir: Path | None = None) -> dict[str, LoadedModel]:
@@ -43,13 +57,13 @@ def load_models(settings: Settings, base_dir: Path | None = None) -> dict[str, L
     return {
         name: load_model(
             name,
-            source if source.startswith("pkg:") else str(resolve_path(source, base)),
+            source,
             device=lr.device,
             dtype=lr.dtype,
             cache_dir=resolve_path(lr.cache_dir, base),
             threads=lr.threads,
         )
-        for name, source in lr.models.items()
+        for name, source in _sources(settings, base).items()
     }
 
 
