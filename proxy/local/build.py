@@ -25,9 +25,9 @@ from .config import engine_config
 
 
 def build_cpu_kernels_meanwhile(settings: Settings, base_dir: Path | None = None) -> None:
-    """On a CPU, start the exact kernels' build (once per machine, kept under the cache folder: ~27 s on
-    two cores) on a thread of its own, so that it runs while the models load (a GGUF's first conversion:
-    ~18 s) instead of after; the engine's own call waits for it (`exact_kernel.build` is idempotent
+    """On a CPU, start the exact kernels' build (once per machine, kept under the cache folder) on a
+    thread of its own, so that it runs while the models load (a GGUF's first conversion) instead of
+    after (docs/benchmarks.md, "What a start costs"); the engine's own call waits for it (`exact_kernel.build` is idempotent
     and thread-safe). On CUDA nothing: those kernels serve CPUs only. A model that cannot be found
     stops the start first (ModelLoadError), before a build that would then run on for nothing."""
     lr = runner_settings(settings, EmbeddedRunnerSettings)

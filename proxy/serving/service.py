@@ -215,7 +215,8 @@ class LocalServing:
     ) -> LocalServing:
         """The serving layer above `engine`, configured from settings: the same for every engine. Called
         as local serving starts, off the event loop: xgrammar is imported here, where the first turn with
-        tools or a format would import it on the loop (0.7 s after torch, every stream waiting)."""
+        tools or a format would import it on the loop, every stream waiting (docs/benchmarks.md,
+        "Constrained decoding and tool parsing")."""
         importlib.import_module("xgrammar")
         upstream = settings.llm_endpoint
         return cls(
@@ -275,8 +276,9 @@ class LocalServing:
 
     def _grammar(self, req: ApiRequest, tools: ToolRequest | None) -> str | None:
         """`_build_grammar`'s answer, remembered for the recent turns' tools and formats: an agent sends
-        the same every turn, and building one on the event loop takes 0.2-3 ms (xgrammar, 1-10 tools:
-        every stream waits meanwhile) where a lookup takes microseconds. Refusals are not remembered."""
+        the same every turn, and building one holds the event loop for milliseconds (xgrammar: every
+        stream waits meanwhile) where a lookup takes microseconds (docs/benchmarks.md, "Constrained
+        decoding and tool parsing"). Refusals are not remembered."""
         source = _format_source(req)
         if tools is None and source is None:
             return None

@@ -1,7 +1,7 @@
 """The local backend's start, and its one owner: `LocalStart`, held under the app key `LOCAL_START`.
 
 Building local serving takes from a second to minutes: a GGUF's conversion and the exact kernel's build
-on a machine's first start (~50 s on two cores), a vLLM server's start. The server listens before
+on a machine's first start (docs/benchmarks.md, "What a start costs"), a vLLM server's start. The server listens before
 that, so that a client's first try is never refused a connection: while the start runs, `/healthz`
 answers 503 `starting` (a balancer sends nothing here yet), pass-through and upstream turns are served,
 and a turn for a local model waits for the start to end (it takes its place then, under admission's
